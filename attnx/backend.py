@@ -1,0 +1,148 @@
+"""The base class of every backend: support declared as data, turned into reasons.
+
+A backend subclasses `Backend`, sets the class attributes that describe what it
+can compute, and implements `forward` (and `backward` when it declares
+`supports_backward`). `reasons(problem)` turns the declarations into the list of
+human-readable reasons it declines a problem; an empty list means it accepts.
+Backend-specific limits go in `extra_reasons`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import ClassVar, Optional
+
+import torch
+
+from .capability import has_module
+from .problem import Problem
+
+ALL_FLOAT = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def _dtype_names(dtypes) -> str:
+    return ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
+
+
+class Backend:
+    """A way to compute attention, with what it supports declared as data."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    # where it runs
+    device_types: ClassVar[frozenset] = frozenset({"cpu", "cuda", "mps"})
+    vendors: ClassVar[Optional[frozenset]] = None          # None = any vendor of those device types
+    min_capability: ClassVar[Optional[tuple]] = None        # NVIDIA only
+    max_capability: ClassVar[Optional[tuple]] = None
+    amd_archs: ClassVar[Optional[frozenset]] = None        # gfx prefixes, None = any
+    # what it computes
+    dtypes: ClassVar[frozenset] = ALL_FLOAT
+    max_head_dim: ClassVar[Optional[int]] = None
+    head_dims: ClassVar[Optional[frozenset]] = None        # exact set, None = any up to max_head_dim
+    supports_dv_differs: ClassVar[bool] = True
+    supports_gqa: ClassVar[bool] = True
+    supports_causal: ClassVar[bool] = True
+    supports_window: ClassVar[bool] = True
+    mask_kinds: ClassVar[frozenset] = frozenset({"bool", "additive"})
+    supports_mask_grad: ClassVar[bool] = True
+    supports_alibi: ClassVar[bool] = True
+    supports_softcap: ClassVar[bool] = True
+    supports_backward: ClassVar[bool] = True
+    deterministic: ClassVar[bool] = True
+    # what it needs installed: import names, and the hint printed when they are missing
+    required_modules: ClassVar[tuple] = ()
+    install_hint: ClassVar[str] = ""
+
+    # -- availability: once per process -------------------------------------------------
+    @functools.cached_property
+    def unavailable_reasons(self) -> tuple[str, ...]:
+        """Why this backend cannot run on this machine at all (missing packages, ...)."""
+        missing = [m for m in self.required_modules if not has_module(m)]
+        reasons = []
+        if missing:
+            hint = f" (install with: {self.install_hint})" if self.install_hint else ""
+            reasons.append(f"needs {', '.join(missing)}, not installed{hint}")
+        reasons += self.environment_reasons()
+        return tuple(reasons)
+
+    @property
+    def available(self) -> bool:
+        return not self.unavailable_reasons
+
+    def environment_reasons(self) -> list[str]:
+        """Override: machine-level reasons beyond missing modules (e.g. no driver)."""
+        return []
+
+    # -- per problem -----------------------------------------------------------------
+    def reasons(self, p: Problem) -> list[str]:
+        """Every reason this backend declines `p`; empty when it accepts."""
+        reasons = list(self.unavailable_reasons)
+        if p.device_type not in self.device_types:
+            reasons.append(f"device {p.device_type} not supported (needs {', '.join(sorted(self.device_types))})")
+        elif self.vendors is not None and p.vendor not in self.vendors:
+            reasons.append(f"{p.vendor} devices not supported (needs {', '.join(sorted(self.vendors))})")
+        else:
+            cap = p.capability
+            if cap is not None and self.min_capability is not None and cap < self.min_capability:
+                reasons.append(f"compute capability {cap[0]}.{cap[1]} below the minimum "
+                               f"{self.min_capability[0]}.{self.min_capability[1]}")
+            if cap is not None and self.max_capability is not None and cap > self.max_capability:
+                reasons.append(f"compute capability {cap[0]}.{cap[1]} above the maximum "
+                               f"{self.max_capability[0]}.{self.max_capability[1]}")
+            if p.vendor == "amd" and self.amd_archs is not None and not p.arch.startswith(tuple(self.amd_archs)):
+                reasons.append(f"AMD arch {p.arch} not supported (needs {', '.join(sorted(self.amd_archs))})")
+        if p.dtype not in self.dtypes:
+            reasons.append(f"dtype {str(p.dtype).replace('torch.', '')} not supported "
+                           f"(needs {_dtype_names(self.dtypes)})")
+        for label, dim in (("head_dim", p.head_dim), ("head_dim_v", p.head_dim_v)):
+            if self.head_dims is not None and dim not in self.head_dims:
+                reasons.append(f"{label} {dim} not supported (needs one of {sorted(self.head_dims)})")
+            elif self.max_head_dim is not None and dim > self.max_head_dim:
+                reasons.append(f"{label} {dim} above the maximum {self.max_head_dim}")
+        if p.head_dim != p.head_dim_v and not self.supports_dv_differs:
+            reasons.append("head_dim_v different from head_dim not supported")
+        if p.heads_q != p.heads_kv and not self.supports_gqa:
+            reasons.append("grouped-query attention (Hq != Hkv) not supported")
+        if p.is_causal_only and not self.supports_causal:
+            reasons.append("causal mask not supported")
+        elif p.has_window and not p.is_causal_only and not self.supports_window:
+            reasons.append("sliding window not supported")
+        if p.mask_kind is not None and p.mask_kind not in self.mask_kinds:
+            reasons.append(f"{p.mask_kind} mask tensor not supported")
+        if p.mask_requires_grad and not self.supports_mask_grad:
+            reasons.append("gradient of the mask not supported")
+        if p.has_alibi and not self.supports_alibi:
+            reasons.append("alibi_slopes not supported")
+        if p.softcap is not None and not self.supports_softcap:
+            reasons.append("softcap not supported")
+        if p.needs_grad and not self.supports_backward:
+            reasons.append("backward (inputs require grad) not supported")
+        if not reasons:
+            reasons += self.extra_reasons(p)
+        return reasons
+
+    def extra_reasons(self, p: Problem) -> list[str]:
+        """Override: limits that the declarations above cannot express."""
+        return []
+
+    # -- compute -----------------------------------------------------------------------
+    def forward(self, p: Problem, q, k, v, mask, alibi_slopes):
+        """Return ``(out, lse)``.
+
+        ``q, k, v`` are ``(B, H, S, D)`` views in any strides; ``mask`` is None or a
+        view expanded to ``(B, Hq, Sq, Sk)`` (zero strides where it broadcasts);
+        ``alibi_slopes`` is None or a float32 ``(B, Hq)`` view. ``out`` must be made
+        with `attnx.alloc_out` (so it comes back in the caller's layout), ``lse`` is
+        float32 ``(B, Hq, Sq)``.
+        """
+        raise NotImplementedError(f"backend {self.name!r} did not implement forward")
+
+    def backward(self, p: Problem, q, k, v, mask, alibi_slopes, out, lse, dout):
+        """Return ``(dq, dk, dv, dmask)`` for the forward's inputs.
+
+        ``dmask`` is None unless ``p.mask_requires_grad``; then it has shape
+        ``p.mask_shape`` (gradient summed over the dimensions the mask broadcasts).
+        """
+        raise NotImplementedError(f"backend {self.name!r} did not implement backward")
+
+    def __repr__(self) -> str:
+        return f"<attnx backend {self.name!r}>"
