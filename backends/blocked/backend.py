@@ -1,0 +1,70 @@
+"""blocked: the FlashAttention algorithm in plain PyTorch ops, on any torch device.
+
+Queries and keys are processed in tiles with an online softmax (forward) and an
+lse-based recomputation (backward), so memory grows with ``S * D``, never
+``Sq * Sk``. Every feature of SPEC.md is supported on every dtype and head dim.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+from attnx.backend import Backend
+from attnx.problem import Problem
+
+from .backward import blocked_backward
+from .forward import blocked_forward
+from .tiles import TileSizes, check_tile_size, default_tile_sizes
+
+
+class BlockedBackend(Backend):
+    name = "blocked"
+    description = ("FlashAttention's tiled online-softmax algorithm in torch ops; any device, dtype, head dim "
+                   "and mask; memory grows with S*D, not Sq*Sk")
+    device_types = frozenset({"cpu", "cuda", "mps", "xpu"})
+    deterministic = True
+
+    def __init__(self):
+        self._forced = TileSizes(None, None)
+
+    def extra_reasons(self, p: Problem) -> list[str]:
+        import torch
+
+        if p.device_type == "mps" and p.dtype == torch.float64:
+            return ["float64 is not supported on mps"]
+        return []
+
+    # -- tile sizes ---------------------------------------------------------------------
+    def tile_sizes(self, p: Problem) -> TileSizes:
+        """The tiles used for `p`: the forced ones (see `force_tile_sizes`) over the defaults."""
+        default = default_tile_sizes(p)
+        block_m = self._forced.block_m or default.block_m
+        block_n = self._forced.block_n or default.block_n
+        return TileSizes(min(block_m, p.seqlen_q), min(block_n, p.seqlen_k))
+
+    @contextlib.contextmanager
+    def force_tile_sizes(self, block_m: Optional[int] = None, block_n: Optional[int] = None):
+        """Context manager: use `block_m` query rows and `block_n` keys per tile (None = default).
+
+        The setting is process-wide while the block runs (the backward pass runs
+        inside it too when ``.backward()`` is called within the block)::
+
+            with attnx.backends.blocked.BACKEND.force_tile_sizes(block_m=128, block_n=256):
+                out = attnx.attention(q, k, v, backend="blocked")
+        """
+        forced = TileSizes(check_tile_size("block_m", block_m), check_tile_size("block_n", block_n))
+        previous, self._forced = self._forced, forced
+        try:
+            yield forced
+        finally:
+            self._forced = previous
+
+    # -- compute ------------------------------------------------------------------------
+    def forward(self, p, q, k, v, mask, alibi_slopes):
+        return blocked_forward(p, q, k, v, mask, alibi_slopes, self.tile_sizes(p))
+
+    def backward(self, p, q, k, v, mask, alibi_slopes, out, lse, dout):
+        return blocked_backward(p, q, k, v, mask, alibi_slopes, out, lse, dout, self.tile_sizes(p))
+
+
+BACKEND = BlockedBackend()

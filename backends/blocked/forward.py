@@ -1,0 +1,69 @@
+"""Forward: query tiles outside, key tiles inside, online softmax in the accumulation dtype."""
+from __future__ import annotations
+
+import torch
+
+from attnx.autograd import alloc_out
+from attnx.problem import Problem
+
+from .operands import prepare
+from .scores import score_tile
+from .tiles import TileSizes, key_span
+
+
+def scratch(ops, rows: int, cols: int) -> torch.Tensor:
+    """A flat buffer big enough for one ``(B*Hkv, G*rows, cols)`` tile, reused by every tile."""
+    return torch.empty(ops.batch_heads * ops.p.group_size * rows * cols, dtype=ops.acc, device=ops.k.device)
+
+
+def tile_view(buffer: torch.Tensor, ops, rows: int, cols: int) -> torch.Tensor:
+    count = ops.batch_heads * ops.p.group_size * rows
+    return buffer[: count * cols].view(ops.batch_heads, ops.p.group_size * rows, cols)
+
+
+def safe_max(m: torch.Tensor) -> torch.Tensor:
+    """The running max with -inf (row saw no key yet) replaced by 0, so exp(s - max) never makes NaN."""
+    return torch.nan_to_num(m, neginf=0.0)
+
+
+def blocked_forward(p: Problem, q, k, v, mask, alibi_slopes, tiles: TileSizes):
+    """``(out, lse)`` of SPEC.md's formula without materialising more than one tile of scores."""
+    ops = prepare(p, q, k, v, mask, alibi_slopes)
+    out = alloc_out(p, q)
+    lse = torch.empty((p.batch, p.heads_q, p.seqlen_q), dtype=torch.float32, device=q.device)
+    out5, lse5 = ops.split_heads(out), ops.split_heads(lse)
+    block_m, block_n = tiles
+    buffer = scratch(ops, block_m, block_n)
+    for i0 in range(0, p.seqlen_q, block_m):
+        i1 = min(i0 + block_m, p.seqlen_q)
+        lo, hi = key_span(p, i0, i1)
+        if hi <= lo:  # no query here sees a key
+            out5[:, :, :, i0:i1].zero_()
+            lse5[:, :, :, i0:i1].fill_(float("-inf"))
+            continue
+        q_tile = ops.q_tile(i0, i1)
+        row_max = row_sum = acc = None
+        for j0 in range(lo, hi, block_n):
+            j1 = min(j0 + block_n, hi)
+            s = score_tile(ops, q_tile, i0, i1, j0, j1, tile_view(buffer, ops, i1 - i0, j1 - j0))
+            tile_max = s.amax(dim=-1, keepdim=True)
+            if row_max is None:
+                row_max = tile_max
+                s.sub_(safe_max(row_max)).exp_()
+                row_sum = s.sum(dim=-1, keepdim=True)
+                acc = torch.bmm(s, ops.v[:, j0:j1])
+            else:
+                new_max = torch.maximum(row_max, tile_max)
+                shift = safe_max(new_max)
+                rescale = (row_max - shift).exp_()
+                s.sub_(shift).exp_()
+                row_sum.mul_(rescale).add_(s.sum(dim=-1, keepdim=True))
+                acc.mul_(rescale).baddbmm_(s, ops.v[:, j0:j1])
+                row_max = new_max
+        # rows that saw no key: acc = 0 and row_sum = 0 -> out 0, lse = -inf
+        acc.div_(row_sum.clamp_min(torch.finfo(ops.acc).tiny))
+        rows = i1 - i0
+        out5[:, :, :, i0:i1].copy_(acc.view(p.batch, p.heads_kv, p.group_size, rows, p.head_dim_v))
+        tile_lse = safe_max(row_max).add_(row_sum.log())
+        lse5[:, :, :, i0:i1].copy_(tile_lse.view(p.batch, p.heads_kv, p.group_size, rows))
+    return out, lse

@@ -1,0 +1,45 @@
+"""One tile of final scores: GEMM, then softcap, alibi, dense mask and causal/window, in SPEC order."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .operands import Operands
+from .tiles import alibi_distance, allowed_tile, tile_is_interior
+
+NEG_INF = float("-inf")
+
+
+def score_tile(ops: Operands, q_tile: torch.Tensor, i0: int, i1: int, j0: int, j1: int,
+               out: torch.Tensor, tanh_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Final scores of query rows ``[i0, i1)`` against keys ``[j0, j1)``, written into `out`.
+
+    `q_tile` is ``(B*Hkv, G*rows, D)`` already multiplied by the scale; `out` is a
+    contiguous ``(B*Hkv, G*rows, cols)`` buffer. With softcap, `tanh_out` (same shape)
+    receives ``tanh(raw / softcap)`` for the backward's chain rule.
+    """
+    p = ops.p
+    rows, cols = i1 - i0, j1 - j0
+    s = torch.bmm(q_tile, ops.k[:, j0:j1].transpose(1, 2), out=out)
+    if p.softcap is not None:
+        s.mul_(1.0 / p.softcap).tanh_()
+        if tanh_out is not None:
+            tanh_out.copy_(s)
+        s.mul_(p.softcap)
+    # (B*Hkv, G, rows, cols): the view the per-head and per-position terms broadcast over
+    s4 = s.view(ops.batch_heads, p.group_size, rows, cols)
+    if ops.neg_slopes is not None:
+        s4.addcmul_(ops.neg_slopes, alibi_distance(p, i0, i1, j0, j1, ops.acc, s.device))
+    if ops.mask5 is not None:
+        s5 = s.view(p.batch, p.heads_kv, p.group_size, rows, cols)
+        mask_tile = ops.mask5[:, :, :, i0:i1, j0:j1]
+        if mask_tile.dtype == torch.bool:
+            s5.masked_fill_(mask_tile.logical_not(), NEG_INF)
+        else:
+            if torch.promote_types(mask_tile.dtype, ops.acc) != ops.acc:
+                mask_tile = mask_tile.to(ops.acc)  # a float64 bias on float32 scores
+            s5.add_(mask_tile)
+    if not tile_is_interior(p, i0, i1, j0, j1):
+        s4.masked_fill_(allowed_tile(p, i0, i1, j0, j1, s.device).logical_not(), NEG_INF)
+    return s
