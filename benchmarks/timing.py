@@ -1,0 +1,114 @@
+"""Timing done properly: warm-up, rotated inputs, CUDA events (GPU) or perf_counter (CPU), min and median.
+
+`make_call` turns a peer's ``fn(q, k, v)`` into ``call(i)`` running forward (or
+forward+backward) on the i-th copy of the inputs; rotating copies keeps caches
+from flattering small problems.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .settings import Point
+
+CACHE_BYTES = 64 << 20    # above the H100/H200 L2 (50 MiB) and typical CPU last-level caches
+MAX_COPIES = 4
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    min_ms: float
+    reps: int
+
+
+def input_copies(point: Point) -> int:
+    """How many input sets to rotate through so that consecutive calls miss in cache."""
+    itemsize = torch.empty((), dtype=point.torch_dtype).element_size()
+    one_set = itemsize * point.batch * point.head_dim * (2 * point.heads_q * point.seqlen_q
+                                                         + 2 * point.heads_kv * point.seqlen_k)
+    if one_set >= 2 * CACHE_BYTES or point.measure == "memory":
+        return 1
+    return max(2, min(MAX_COPIES, -(-2 * CACHE_BYTES // one_set)))
+
+
+def make_inputs(point: Point, device: str, copies: int = 1, seed: int = 0) -> list:
+    """`copies` fresh random (q, k, v, dout) sets; requires_grad for forward+backward points."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    grad = point.mode == "fwd+bwd"
+    sets = []
+    for _ in range(copies):
+        def rand(*shape):
+            return torch.randn(*shape, generator=generator, dtype=torch.float32).to(device, point.torch_dtype)
+        q = rand(point.batch, point.heads_q, point.seqlen_q, point.head_dim).requires_grad_(grad)
+        k = rand(point.batch, point.heads_kv, point.seqlen_k, point.head_dim).requires_grad_(grad)
+        v = rand(point.batch, point.heads_kv, point.seqlen_k, point.head_dim).requires_grad_(grad)
+        dout = rand(point.batch, point.heads_q, point.seqlen_q, point.head_dim) if grad else None
+        sets.append((q, k, v, dout))
+    return sets
+
+
+def make_call(fn, point: Point, inputs: list):
+    """``call(i)``: one forward (no grad) or forward+backward on input set ``i % len(inputs)``."""
+    if point.mode == "fwd":
+        def call(i):
+            q, k, v, _ = inputs[i % len(inputs)]
+            with torch.no_grad():
+                return fn(q, k, v)
+        return call
+
+    def call(i):
+        q, k, v, dout = inputs[i % len(inputs)]
+        out = fn(q, k, v)
+        out.backward(dout)
+        q.grad = k.grad = v.grad = None
+    return call
+
+
+def time_cpu(call, warmup=1, min_reps=3, max_reps=10, budget_s=3.0) -> Timing:
+    """Warm up, then repeat until `budget_s` is spent (at least `min_reps`); min and median in ms."""
+    for i in range(warmup):
+        call(i)
+    times = []
+    start = time.perf_counter()
+    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - start < budget_s):
+        t0 = time.perf_counter()
+        call(len(times) + warmup)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return Timing(statistics.median(times), min(times), len(times))
+
+
+def time_cuda(call, warmup=3, min_reps=5, max_reps=50, budget_s=1.0) -> Timing:
+    """CUDA events around each call after warm-up; median and min in ms."""
+    for i in range(warmup):
+        call(i)
+    torch.cuda.synchronize()
+    # estimate one call to size the repetitions to the budget
+    probe_start, probe_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    probe_start.record()
+    call(warmup)
+    probe_end.record()
+    torch.cuda.synchronize()
+    estimate_s = max(probe_start.elapsed_time(probe_end) / 1e3, 1e-6)
+    reps = int(max(min_reps, min(max_reps, budget_s / estimate_s)))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        starts[i].record()
+        call(warmup + 1 + i)
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    return Timing(statistics.median(times), min(times), reps)
+
+
+def measure_time(fn, point: Point, inputs: list, device: str, quick=False) -> Timing:
+    call = make_call(fn, point, inputs)
+    if device == "cuda":
+        return time_cuda(call, warmup=2 if quick else 3, min_reps=3 if quick else 5,
+                         budget_s=0.1 if quick else 1.0)
+    return time_cpu(call, warmup=1, min_reps=2 if quick else 3, max_reps=5 if quick else 10,
+                    budget_s=0.2 if quick else 3.0)
