@@ -1,0 +1,65 @@
+"""cuda: hand-written FlashAttention-2 kernels (mma.sync, ldmatrix, cp.async) compiled by NVRTC through CuPy."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attnx.backend import Backend
+
+from .variants import HEAD_DIM_TILES
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    description = ("FlashAttention-2 forward and backward in CUDA C++ (mma.sync m16n8k16, ldmatrix, cp.async), "
+                   "compiled at run time by NVRTC through CuPy; NVIDIA sm_80+, fp16/bf16")
+    device_types = frozenset({"cuda"})
+    vendors = frozenset({"nvidia"})
+    min_capability = (8, 0)
+    dtypes = frozenset({torch.float16, torch.bfloat16})
+    max_head_dim = HEAD_DIM_TILES[-1]
+    mask_kinds = frozenset()          # dense masks are not implemented in the kernels
+    supports_mask_grad = False
+    deterministic = False             # dQ is accumulated with fp32 atomics
+    required_modules = ("cupy",)
+    install_hint = 'pip install "attnx[cuda13]"  (or [cuda12])'
+
+    def environment_reasons(self) -> list[str]:
+        if not torch.cuda.is_available() or torch.version.hip:
+            return ["no NVIDIA CUDA device visible to torch"]
+        return []
+
+    def extra_reasons(self, p) -> list[str]:
+        from .launch import MAX_GRID, MAX_SEQLEN, max_shared
+        from .variants import backward_variants, forward_variant, head_dim_tile
+
+        reasons = []
+        if max(p.seqlen_q, p.seqlen_k) >= MAX_SEQLEN:
+            reasons.append(f"sequence length >= {MAX_SEQLEN} not supported (int32 positions)")
+        tile = head_dim_tile(p.head_dim, p.head_dim_v)
+        mod = p.softcap is not None or p.has_alibi
+        bf16 = p.dtype == torch.bfloat16
+        shared = max_shared(p.capability or (0, 0))
+        fwd = forward_variant(bf16, tile, mod, shared)
+        if fwd is None:
+            reasons.append(f"no forward tile for head dim {tile} fits {shared} bytes of shared memory")
+        elif p.batch * p.heads_q * math.ceil(p.seqlen_q / fwd.block_m) > MAX_GRID:
+            reasons.append("too many query blocks for one launch")
+        if p.needs_grad and backward_variants(bf16, tile, mod, shared) is None:
+            reasons.append(f"no backward tile for head dim {tile} fits {shared} bytes of shared memory")
+        return reasons
+
+    def forward(self, p, q, k, v, mask, alibi_slopes):
+        from .launch import forward
+
+        return forward(p, q, k, v, alibi_slopes)
+
+    def backward(self, p, q, k, v, mask, alibi_slopes, out, lse, dout):
+        from .launch import backward
+
+        dq, dk, dv = backward(p, q, k, v, alibi_slopes, out, lse, dout)
+        return dq, dk, dv, None
+
+
+BACKEND = CudaBackend()

@@ -1,0 +1,237 @@
+// FlashAttention-2 forward for Ampere-class GPUs (sm_80 .. sm_90): one query
+// block per thread block, each warp owns MT x 16 query rows (no cross-warp
+// reduction), K/V tiles streamed through shared memory with cp.async, online
+// softmax in registers with exp2, fp32 accumulation, one write of out and lse.
+//
+// Compile-time knobs (NVRTC -D): IS_BF16, HEAD_DIM (padded tile), BLOCK_M,
+// BLOCK_N, NUM_WARPS, SCORE_MOD (softcap and/or ALiBi present).
+#include "fa_common.cuh"
+#include "fa_params.cuh"
+
+template <bool BF16, int HD, int BM, int BN, int NW, bool MOD>
+DEVI void attention_forward(const AttnParams& p) {
+  constexpr int THREADS = NW * 32;
+  constexpr int MT = BM / (16 * NW);  // 16-row m-tiles per warp
+  constexpr int NT = BN / 8;          // n-tiles of the score tile
+  constexpr int DT = HD / 8;          // n-tiles of the output tile
+  constexpr int KS = HD / 16;         // k-steps of Q K^T
+  constexpr int LD = HD + 8;
+  constexpr bool Q_IN_REGS = MT * KS * 4 <= 32;
+  static_assert(MT >= 1 && BM == MT * 16 * NW, "BLOCK_M must be a multiple of 16 * NUM_WARPS");
+  static_assert(NT % 2 == 0 && DT % 2 == 0, "tiles must be multiples of 16");
+
+  extern __shared__ __align__(16) u16 smem[];
+  u16* sQ = smem;
+  u16* sK = sQ + BM * LD;
+  u16* sV = sK + BN * LD;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int nblk = p.num_blocks;
+  const int bh = blockIdx.x / nblk;
+  const int mb = nblk - 1 - (blockIdx.x - bh * nblk);  // heaviest (causal) blocks first
+  const int b = bh / p.heads_q, h = bh - b * p.heads_q, hk = h / p.group;
+  const int m0 = mb * BM;
+  const int Sq = p.seqlen_q, Sk = p.seqlen_k, off = Sk - Sq;
+  const int wl = p.window_left, wr = p.window_right;
+
+  const u16* q = (const u16*)p.q + b * p.q_bs + h * p.q_hs;
+  const u16* k = (const u16*)p.k + b * p.k_bs + hk * p.k_hs;
+  const u16* v = (const u16*)p.v + b * p.v_bs + hk * p.v_hs;
+
+  // key blocks that any row of this query block can see
+  const int row_last = min(m0 + BM, Sq) - 1;
+  const int key_lo = max(0, m0 + off - wl);
+  const int key_hi = min(Sk - 1, row_last + off + wr);
+  const int n_first = key_lo / BN;
+  const int n_last = key_hi >= key_lo ? key_hi / BN : n_first - 1;
+
+  load_tile<BM, HD, THREADS>(sQ, q, p.q_rs, m0, Sq, p.head_dim, tid);
+  if (n_first <= n_last) load_tile<BN, HD, THREADS>(sK, k, p.k_rs, n_first * BN, Sk, p.head_dim, tid);
+  cp_commit();
+  if (n_first <= n_last) load_tile<BN, HD, THREADS>(sV, v, p.v_rs, n_first * BN, Sk, p.head_dim_v, tid);
+  cp_commit();
+
+  float slope = 0.f;
+  if constexpr (MOD) {
+    if (p.alibi) slope = p.alibi[b * p.alibi_bs + h * p.alibi_hs];
+  }
+
+  float acc[MT][DT][4];
+  float row_max[MT][2], row_sum[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][dt][i] = 0.f;
+    row_max[mt][0] = row_max[mt][1] = neg_inf();
+    row_sum[mt][0] = row_sum[mt][1] = 0.f;
+  }
+  u32 qfrag[Q_IN_REGS ? MT : 1][Q_IN_REGS ? KS : 1][4];
+
+  const int warp_row0 = warp * MT * 16;
+  const u32 sQ_a = smem_u32(sQ), sK_a = smem_u32(sK), sV_a = smem_u32(sV);
+  // lane offsets for ldmatrix: A operand (rows, k halves), B non-trans, B trans
+  const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_col = (lane >> 4) * 8;
+  const int bn_row = (lane & 7) + (lane >> 4) * 8, bn_col = ((lane >> 3) & 1) * 8;
+  const int bt_row = (lane & 7) + ((lane >> 3) & 1) * 8, bt_col = (lane >> 4) * 8;
+
+  for (int nb = n_first; nb <= n_last; ++nb) {
+    const int n0 = nb * BN;
+    cp_wait<1>();
+    __syncthreads();  // Q and this K block are in shared memory
+
+    float s[MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[mt][nt][i] = 0.f;
+
+    if constexpr (Q_IN_REGS) {
+      if (nb == n_first) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int ks = 0; ks < KS; ++ks)
+            ldsm_x4(qfrag[mt][ks], (sQ_a + 2 * ((warp_row0 + mt * 16 + a_row) * LD + ks * 16 + a_col)));
+      }
+    }
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      u32 a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (Q_IN_REGS) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) a[mt][i] = qfrag[mt][ks][i];
+        } else {
+          ldsm_x4(a[mt], (sQ_a + 2 * ((warp_row0 + mt * 16 + a_row) * LD + ks * 16 + a_col)));
+        }
+      }
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        u32 bf[4];
+        ldsm_x4(bf, (sK_a + 2 * ((np * 16 + bn_row) * LD + ks * 16 + bn_col)));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816<BF16>(s[mt][2 * np], a[mt], bf[0], bf[1]);
+          mma16816<BF16>(s[mt][2 * np + 1], a[mt], bf[2], bf[3]);
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with this K block
+    if (nb < n_last) load_tile<BN, HD, THREADS>(sK, k, p.k_rs, n0 + BN, Sk, p.head_dim, tid);
+    cp_commit();
+
+    // scores in log2 units, masked to -inf; whole tiles inside the window skip the checks
+    const bool need_mask = (n0 + BN > Sk) || (n0 < m0 + BM - 1 + off - wl) || (n0 + BN - 1 > m0 + off + wr);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int row = m0 + warp_row0 + mt * 16 + g + (i >> 1) * 8;
+          const int col = n0 + nt * 8 + 2 * t4 + (i & 1);
+          float x = s[mt][nt][i];
+          if constexpr (MOD) {
+            x *= p.scale;
+            if (p.softcap > 0.f) x = p.softcap * tanhf(x * p.softcap_inv);
+            x -= slope * fabsf((float)(row + off - col));
+            x *= ATTNX_LOG2E;
+          } else {
+            x *= p.scale_log2;
+          }
+          if (need_mask && !key_visible(row, col, Sk, off, wl, wr)) x = neg_inf();
+          s[mt][nt][i] = x;
+        }
+
+    // online softmax: each row lives in the 4 lanes of a quad
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = row_max[mt][r];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_use = mx == neg_inf() ? 0.f : mx;  // a row with nothing visible yet
+        const float alpha = exp2_approx(row_max[mt][r] - m_use);
+        row_max[mt][r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const float p0 = exp2_approx(s[mt][nt][2 * r] - m_use);
+          const float p1 = exp2_approx(s[mt][nt][2 * r + 1] - m_use);
+          s[mt][nt][2 * r] = p0;
+          s[mt][nt][2 * r + 1] = p1;
+          sum += p0 + p1;
+        }
+        row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+          acc[mt][dt][2 * r] *= alpha;
+          acc[mt][dt][2 * r + 1] *= alpha;
+        }
+      }
+
+    cp_wait<1>();
+    __syncthreads();  // this V block is in shared memory
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      u32 a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        a[mt][0] = pack2<BF16>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        a[mt][1] = pack2<BF16>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        a[mt][2] = pack2<BF16>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        a[mt][3] = pack2<BF16>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < DT / 2; ++dp) {
+        u32 bf[4];
+        ldsm_x4_t(bf, (sV_a + 2 * ((kk * 16 + bt_row) * LD + dp * 16 + bt_col)));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816<BF16>(acc[mt][2 * dp], a[mt], bf[0], bf[1]);
+          mma16816<BF16>(acc[mt][2 * dp + 1], a[mt], bf[2], bf[3]);
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with this V block
+    if (nb < n_last) load_tile<BN, HD, THREADS>(sV, v, p.v_rs, n0 + BN, Sk, p.head_dim_v, tid);
+    cp_commit();
+  }
+
+  cp_wait<0>();
+  __syncthreads();  // sQ is reused to stage the output
+  float* lse = p.lse + (long long)bh * Sq;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float l = row_sum[mt][r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int srow = warp_row0 + mt * 16 + g + r * 8;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt) {
+        *reinterpret_cast<u32*>(sQ + srow * LD + dt * 8 + 2 * t4) =
+            pack2<BF16>(acc[mt][dt][2 * r] * inv, acc[mt][dt][2 * r + 1] * inv);
+      }
+      const int row = m0 + srow;
+      if (t4 == 0 && row < Sq) lse[row] = l > 0.f ? (row_max[mt][r] + log2f(l)) * ATTNX_LN2 : neg_inf();
+    }
+  __syncthreads();
+  u16* o = (u16*)p.o + b * p.o_bs + h * p.o_hs;
+  store_tile<BM, HD, THREADS>(o, p.o_rs, sQ, m0, Sq, p.head_dim_v, tid);
+}
+
+extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32) attnx_fwd(const AttnParams p) {
+  attention_forward<IS_BF16 != 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, SCORE_MOD != 0>(p);
+}

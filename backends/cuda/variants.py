@@ -1,0 +1,128 @@
+"""Every kernel specialisation the CUDA launcher can request, and how it picks one.
+
+A specialisation is one compile of `fa_fwd.cu` or `fa_bwd.cu` with a set of -D
+defines: dtype, head-dim tile, block sizes, warps and feature flags. Tile sizes
+follow FlashAttention-2's Ampere choices, with a fallback for GPUs whose shared
+memory per block is ~99 KB (sm_86, sm_89). `all_variants()` is what the CI
+compile test builds; the launcher only ever asks for members of that set.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+HEAD_DIM_TILES = (32, 64, 96, 128, 160, 192, 256)
+# head dims above this run the backward in two passes (dV, then dK + dQ) so that
+# each pass keeps a single accumulator in registers
+SINGLE_PASS_BACKWARD_MAX = 128
+
+
+class Variant(NamedTuple):
+    """One compile of one kernel file."""
+
+    kernel: str        # "fwd" or "bwd"
+    bf16: bool
+    head_dim: int      # padded tile
+    block_m: int       # fwd: queries per block; bwd: queries per step
+    block_n: int       # fwd: keys per step;     bwd: keys per block
+    warps: int
+    score_mod: bool    # softcap and/or ALiBi
+    do_dv: bool = True
+    do_dk: bool = True
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def source(self) -> str:
+        return f"fa_{self.kernel}.cu"
+
+    @property
+    def function(self) -> str:
+        return f"attnx_{self.kernel}"
+
+    def defines(self) -> tuple[str, ...]:
+        d = {"IS_BF16": int(self.bf16), "HEAD_DIM": self.head_dim, "BLOCK_M": self.block_m,
+             "BLOCK_N": self.block_n, "NUM_WARPS": self.warps, "SCORE_MOD": int(self.score_mod)}
+        if self.kernel == "bwd":
+            d.update(DO_DV=int(self.do_dv), DO_DK=int(self.do_dk))
+        return tuple(f"-D{k}={v}" for k, v in d.items())
+
+    def shared_bytes(self) -> int:
+        ld = self.head_dim + 8
+        if self.kernel == "fwd":
+            return (self.block_m + 2 * self.block_n) * ld * 2
+        return ((2 * self.block_n + 4 * self.block_m) * ld * 2 + self.block_n * (self.block_m + 8) * 2
+                + 4 * 4 * self.block_m)
+
+    def label(self) -> str:
+        flags = ("bf16" if self.bf16 else "fp16") + ("+mod" if self.score_mod else "")
+        if self.kernel == "bwd" and not (self.do_dv and self.do_dk):
+            flags += "+dv" if self.do_dv else "+dk"
+        return f"{self.kernel} d{self.head_dim} {self.block_m}x{self.block_n} w{self.warps} {flags}"
+
+
+# (block_m, block_n, warps), best first; the first that fits the device's shared memory is used
+FORWARD_TILES = {
+    32: ((128, 64, 4),),
+    64: ((128, 64, 4),),
+    96: ((128, 64, 4),),
+    128: ((128, 64, 4),),
+    160: ((128, 64, 8),),
+    192: ((128, 64, 8), (64, 64, 4)),
+    256: ((128, 64, 8), (64, 32, 4)),
+}
+# (block_m = queries per step, block_n = keys per block = 16 * warps, warps)
+BACKWARD_TILES = {
+    32: ((64, 64, 4),),
+    64: ((64, 64, 4),),
+    96: ((64, 64, 4),),
+    128: ((32, 64, 4),),
+    160: ((32, 64, 4),),
+    192: ((32, 64, 4), (16, 32, 2)),
+    256: ((32, 64, 4), (16, 32, 2)),
+}
+
+
+def head_dim_tile(head_dim: int, head_dim_v: int) -> int | None:
+    """The smallest tile holding both head dims (rounded up to 8), or None above 256."""
+    need = max(head_dim, head_dim_v)
+    return next((t for t in HEAD_DIM_TILES if t >= need), None)
+
+
+def forward_variant(bf16: bool, tile: int, score_mod: bool, max_shared: int) -> Variant | None:
+    for bm, bn, w in FORWARD_TILES[tile]:
+        v = Variant("fwd", bf16, tile, bm, bn, w, score_mod)
+        if v.shared_bytes() <= max_shared:
+            return v
+    return None
+
+
+def backward_variants(bf16: bool, tile: int, score_mod: bool, max_shared: int) -> tuple[Variant, ...] | None:
+    """The launches of one backward: one pass, or a dV pass then a dK + dQ pass."""
+    for bm, bn, w in BACKWARD_TILES[tile]:
+        if tile <= SINGLE_PASS_BACKWARD_MAX:
+            passes = (Variant("bwd", bf16, tile, bm, bn, w, score_mod, True, True),)
+        else:
+            passes = (Variant("bwd", bf16, tile, bm, bn, w, score_mod, True, False),
+                      Variant("bwd", bf16, tile, bm, bn, w, score_mod, False, True))
+        if passes[0].shared_bytes() <= max_shared:
+            return passes
+    return None
+
+
+def all_variants() -> list[Variant]:
+    """Every specialisation the launcher can request, on any supported GPU."""
+    found = []
+    for bf16 in (False, True):
+        for mod in (False, True):
+            for tile in HEAD_DIM_TILES:
+                for bm, bn, w in FORWARD_TILES[tile]:
+                    found.append(Variant("fwd", bf16, tile, bm, bn, w, mod))
+                for bm, bn, w in BACKWARD_TILES[tile]:
+                    if tile <= SINGLE_PASS_BACKWARD_MAX:
+                        found.append(Variant("bwd", bf16, tile, bm, bn, w, mod, True, True))
+                    else:
+                        found.append(Variant("bwd", bf16, tile, bm, bn, w, mod, True, False))
+                        found.append(Variant("bwd", bf16, tile, bm, bn, w, mod, False, True))
+    return found
