@@ -1,0 +1,61 @@
+"""Error bounds (SPEC.md, Accuracy), in one place.
+
+All errors are max abs errors against a float64 evaluation of the formula on the same inputs.
+
+* float64 inputs: out <= 1e-10; float32: out <= 1e-4 (5e-3 for a backend that declares
+  ``uses_tf32 = True``).
+* float16 / bfloat16: each quantity <= 2 x the error of the naive formula computed in the same
+  low dtype (``attention_reference(..., compute_dtype=low)``, its gradients by autograd) + 1e-3.
+* Gradients in float32/float64: the out tolerance times ``max(1, max |reference gradient|)``:
+  gradients (dk, dv summed over many queries, dmask) are not bounded by 1 the way ``out`` is.
+* lse: 1e-6 (float64 inputs; lse is float32 for them), 1e-4 (float32), 1e-3 (float16/bfloat16),
+  each plus ``2**-20 * max |lse|``: 16 float32 ulps, since a float32 lse cannot resolve 1e-3
+  once |lse| passes 8192 (large-logit cases reach 1e4).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+SLACK_LOW = 1e-3
+LSE_ABS = {torch.float64: 1e-6, torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 1e-3}
+LSE_REL = 2.0 ** -20
+
+
+def high_precision_tolerance(dtype: torch.dtype, backend) -> float:
+    if dtype == torch.float64:
+        return 1e-10
+    return 5e-3 if getattr(backend, "uses_tf32", False) else 1e-4
+
+
+def bound(name: str, dtype: torch.dtype, backend, ref: torch.Tensor, naive_low_err: float | None) -> float:
+    """The bound for quantity `name` ("out", "lse", "dq", "dk", "dv", "dmask")."""
+    finite = ref[torch.isfinite(ref)]
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
+    if name == "lse":
+        return LSE_ABS[dtype] + LSE_REL * scale
+    if dtype in LOW_PRECISION:
+        if naive_low_err is None or not math.isfinite(naive_low_err):
+            # the low-dtype naive formula overflowed: fall back to "no worse than the values' size"
+            return 2 * scale + SLACK_LOW
+        return 2 * naive_low_err + SLACK_LOW
+    tol = high_precision_tolerance(dtype, backend)
+    return tol if name == "out" else tol * max(1.0, scale)
+
+
+def max_abs_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Max abs error; inf when `got` is non-finite where `ref` is finite or the infinities differ."""
+    got = got.detach().to(torch.float64)
+    ref = ref.detach().to(torch.float64)
+    if got.shape != ref.shape:
+        return math.inf
+    both_finite = torch.isfinite(got) & torch.isfinite(ref)
+    if not bool((torch.isfinite(got) == torch.isfinite(ref)).all()) or bool(torch.isnan(got).any()):
+        return math.inf
+    if not bool((got[~both_finite] == ref[~both_finite]).all()):  # -inf vs +inf
+        return math.inf
+    if not bool(both_finite.any()):
+        return 0.0
+    return float((got[both_finite] - ref[both_finite]).abs().max())

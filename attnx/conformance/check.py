@@ -1,0 +1,199 @@
+"""Run one case on one backend through the public API and compare it with the float64 oracle."""
+from __future__ import annotations
+
+import math
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+import attnx
+from attnx.reference import attention_reference
+
+from .bounds import LOW_PRECISION, bound, max_abs_error
+from .cases import Case
+from .inputs import make_inputs
+
+GRAD_NAMES = ("q", "k", "v", "mask")
+
+
+@dataclass
+class Result:
+    """What happened to one case: status "pass", "fail" or "declined"."""
+
+    case: Case
+    backend: str
+    device: str
+    status: str = "pass"
+    reasons: list = field(default_factory=list)     # the backend's reasons when it declined
+    failures: list = field(default_factory=list)    # what went wrong, one line each
+    errors: dict = field(default_factory=dict)      # quantity -> max abs error
+    bounds: dict = field(default_factory=dict)      # quantity -> bound
+    naive_low: dict = field(default_factory=dict)   # quantity -> error of the low-dtype naive formula
+    scale: Optional[float] = None
+    seconds: float = 0.0
+
+    def fail(self, message: str) -> None:
+        self.status = "fail"
+        self.failures.append(message)
+
+    def summary(self) -> str:
+        if self.status == "declined":
+            return "declined: " + "; ".join(self.reasons)
+        parts = [f"{n} {self.errors[n]:.3g}<={self.bounds[n]:.3g}" for n in self.errors]
+        text = ", ".join(parts)
+        return f"{self.status}: {text}" + ("" if not self.failures else " | " + " | ".join(self.failures))
+
+    def as_dict(self) -> dict:
+        def num(x):
+            return x if math.isfinite(x) else str(x)
+        return {"id": self.case.id, "case": self.case.as_dict(), "backend": self.backend, "device": self.device,
+                "status": self.status, "reasons": self.reasons, "failures": self.failures,
+                "errors": {k: num(v) for k, v in self.errors.items()},
+                "bounds": {k: num(v) for k, v in self.bounds.items()},
+                "naive_low_errors": {k: num(v) for k, v in self.naive_low.items()},
+                "scale": self.scale, "seconds": round(self.seconds, 4)}
+
+
+def _to_bhsd(case: Case, t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(1, 2) if case.layout == "bshd" else t
+
+
+def _call_kwargs(case: Case, views: dict, alibi, scale) -> dict:
+    return dict(causal=case.causal, window=case.window, mask=views.get("mask"), scale=scale, softcap=case.softcap,
+                alibi_slopes=alibi, layout=case.layout)
+
+
+def _formula(case: Case, views: dict, alibi, scale: float, compute_dtype, dout) -> tuple:
+    """(out in the case's layout, lse, {name: grad of each view}) of the reference formula."""
+    left, right = case.folded_window
+    q, k, v = (_to_bhsd(case, views[n]) for n in ("q", "k", "v"))
+    with torch.enable_grad() if dout is not None else torch.no_grad():
+        out, lse = attention_reference(q, k, v, scale=scale, softcap=case.softcap, alibi_slopes=alibi,
+                                       mask=views.get("mask"), window_left=left, window_right=right,
+                                       compute_dtype=compute_dtype)
+        out = _to_bhsd(case, out)
+        grads = {}
+        if dout is not None:
+            out.backward(dout.to(out.dtype))
+            grads = {n: views[n].grad for n in GRAD_NAMES if n in views and views[n].requires_grad}
+    return out.detach(), lse, grads
+
+
+def _poison(device, numel: int) -> None:
+    """Leave NaN in memory the allocator will hand out next, so unwritten outputs show up."""
+    if numel:
+        junk = torch.full((numel,), float("nan"), device=device)
+        del junk
+
+
+def declined_reasons_kind(backend, p) -> str:
+    """"extra" when the decline comes from extra_reasons alone (the declarations accept)."""
+    try:
+        extra = set(backend.extra_reasons(p))
+    except Exception:  # noqa: BLE001 - a crashing extra_reasons is reported by the caller
+        extra = set()
+    reasons = backend.reasons(p)
+    return "extra" if reasons and set(reasons) <= extra else "declarations"
+
+
+def run_case(backend_name: str, case: Case, device, *, allow_extra_declines: bool = False) -> Result:
+    """Run `case` on `backend_name` on `device`; never raises for a backend's failure."""
+    device = torch.device(device)
+    result = Result(case, backend_name, str(device))
+    start = time.perf_counter()
+    try:
+        _run(result, backend_name, case, device, allow_extra_declines)
+    except Exception as err:  # noqa: BLE001 - a crash is a failure of the case
+        tb = traceback.format_exception(type(err), err, err.__traceback__)
+        result.fail(f"raised {type(err).__name__}: {err}".strip() + "\n" + "".join(tb[-3:]))
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _run(result: Result, backend_name: str, case: Case, device, allow_extra_declines: bool) -> None:
+    backend = attnx.get_backend(backend_name)
+    inputs, twin = make_inputs(case, device)
+    views, alibi = inputs.views, inputs.alibi_slopes
+    kwargs = _call_kwargs(case, views, alibi, inputs.scale)
+    p = attnx.make_problem(views["q"], views["k"], views["v"], **kwargs)
+    result.scale = p.scale
+    reasons = backend.reasons(p)
+    if reasons:
+        result.reasons = list(reasons)
+        if declined_reasons_kind(backend, p) == "extra" and not allow_extra_declines:
+            result.fail("declined a case its declarations support: " + "; ".join(reasons))
+        else:
+            result.status = "declined"
+        return
+    snapshot = {n: t.detach().clone() for n, t in inputs.leaves.items()}
+    out_numel = case.batch * case.heads_q * case.seqlen_q * max(case.head_dim, case.head_dim_v)
+
+    # -- the backend, through the public API ----------------------------------------------
+    _poison(device, out_numel)
+    out, lse = attnx.attention(views["q"], views["k"], views["v"], **kwargs, backend=backend_name, return_lse=True)
+    grads = {}
+    if case.grad:
+        _poison(device, out_numel)
+        out.backward(inputs.dout)
+        grads = {n: views[n].grad for n in GRAD_NAMES if n in views and views[n].requires_grad}
+    _check_layout(result, case, p, out, lse, grads, views, device)
+    for name, leaf in inputs.leaves.items():
+        if not torch.equal(leaf.detach(), snapshot[name]):
+            result.fail(f"input {name} was modified")
+
+    # -- the oracle: float64 copies of the same inputs ------------------------------------
+    _, views64 = twin(torch.float64, case.grad)
+    ref_out, ref_lse, ref_grads = _formula(case, views64, alibi, p.scale, torch.float64, inputs.dout)
+    low = {}
+    if case.torch_dtype in LOW_PRECISION:
+        _, views_low = twin(None, case.grad)
+        low_out, _, low_grads = _formula(case, views_low, alibi, p.scale, case.torch_dtype, inputs.dout)
+        low = {"out": max_abs_error(low_out, ref_out)}
+        low.update({f"d{n}": max_abs_error(g, ref_grads[n]) for n, g in low_grads.items()})
+    result.naive_low = low
+
+    quantities = {"out": (out, ref_out), "lse": (lse, ref_lse)}
+    quantities.update({f"d{n}": (grads.get(n), ref_grads[n]) for n in ref_grads})
+    for name, (got, ref) in quantities.items():
+        if got is None:
+            result.fail(f"{name} missing (no gradient reached the input)")
+            continue
+        result.errors[name] = err = max_abs_error(got, ref)
+        result.bounds[name] = b = bound(name, case.torch_dtype, backend, ref, low.get(name))
+        if not err <= b:
+            result.fail(f"{name} error {err:.3g} > bound {b:.3g}")
+    _check_dead_rows(result, case, out, lse, grads, ref_lse)
+
+
+def _check_layout(result: Result, case: Case, p, out, lse, grads: dict, views: dict, device) -> None:
+    """Shapes, dtypes, devices and the caller's layout of every output."""
+    want = ((case.batch, case.heads_q, case.seqlen_q, case.head_dim_v) if case.layout == "bhsd"
+            else (case.batch, case.seqlen_q, case.heads_q, case.head_dim_v))
+    if tuple(out.shape) != want or out.dtype != case.torch_dtype or out.device != device:
+        result.fail(f"out is {tuple(out.shape)} {out.dtype} on {out.device}, expected {want} {case.torch_dtype}")
+    elif not out.is_contiguous():
+        result.fail(f"out is not contiguous in the caller's layout (strides {out.stride()})")
+    if tuple(lse.shape) != (case.batch, case.heads_q, case.seqlen_q) or lse.dtype != torch.float32:
+        result.fail(f"lse is {tuple(lse.shape)} {lse.dtype}, expected {(case.batch, case.heads_q, case.seqlen_q)} float32")
+    for name, g in grads.items():
+        if g is not None and (g.shape != views[name].shape or g.dtype != views[name].dtype):
+            result.fail(f"d{name} is {tuple(g.shape)} {g.dtype}, expected {tuple(views[name].shape)} {views[name].dtype}")
+
+
+def _check_dead_rows(result: Result, case: Case, out, lse, grads: dict, ref_lse) -> None:
+    """Rows that see no key: out exactly 0, lse exactly -inf, dq exactly 0; and the case meant to have them."""
+    dead = torch.isneginf(ref_lse)  # (B, Hq, Sq)
+    if case.masked_rows and not bool(dead.any()):
+        result.fail("case design error: masked_rows case has no fully masked row")
+    if not bool(dead.any()):
+        return
+    if not bool(torch.isneginf(lse[dead]).all()):
+        result.fail("lse is not -inf on rows that see no key")
+    if not bool((_to_bhsd(case, out)[dead] == 0).all()):
+        result.fail("out is not exactly 0 on rows that see no key")
+    dq = grads.get("q")
+    if dq is not None and not bool((_to_bhsd(case, dq)[dead] == 0).all()):
+        result.fail("dq is not exactly 0 on rows that see no key")
