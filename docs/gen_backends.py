@@ -1,0 +1,150 @@
+"""Generate the backend support matrix in docs/backends.md from the backends' own declarations.
+
+    python docs/gen_backends.py          # rewrite the generated part of docs/backends.md
+    python docs/gen_backends.py --check  # exit 1 if the committed page is out of date
+
+Only the part between the BEGIN/END markers is generated; the prose around it is
+hand-written. Every built-in backend is imported for its declarations even when its
+optional packages (triton, cupy) are missing: declarations never need them.
+Nothing machine-dependent (availability, devices present) goes into the page.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "backends.md"
+BEGIN = "<!-- BEGIN GENERATED: python docs/gen_backends.py -->"
+END = "<!-- END GENERATED -->"
+
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def builtin_backends() -> list:
+    """Instances of the built-in backends present in this checkout, in `backends.BUILTIN` order."""
+    from attnx.registry import _import_builtin_backends
+
+    return list(_import_builtin_backends().builtin_backends())
+
+
+def _names(values) -> str:
+    return ", ".join(sorted(str(v).replace("torch.", "") for v in values))
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _capability(backend) -> str:
+    parts = []
+    if backend.vendors is not None:
+        parts.append(_names(backend.vendors))
+    if backend.min_capability is not None:
+        parts.append(f"sm >= {backend.min_capability[0]}.{backend.min_capability[1]}")
+    if backend.max_capability is not None:
+        parts.append(f"sm <= {backend.max_capability[0]}.{backend.max_capability[1]}")
+    if backend.amd_archs is not None:
+        parts.append("AMD " + _names(backend.amd_archs))
+    return "; ".join(parts) or "any"
+
+
+def _head_dims(backend) -> str:
+    if backend.head_dims is not None:
+        return ", ".join(str(d) for d in sorted(backend.head_dims))
+    if backend.max_head_dim is not None:
+        return f"1 .. {backend.max_head_dim}"
+    return "any"
+
+
+def _extra_limits(backend) -> str:
+    from attnx.backend import Backend
+
+    method = type(backend).extra_reasons
+    if method is Backend.extra_reasons:
+        return "none"
+    doc = (method.__doc__ or "").strip().splitlines()
+    return doc[0].rstrip(".") if doc else f"in code (`{type(backend).__name__}.extra_reasons`)"
+
+
+def _needs(backend) -> str:
+    if not backend.required_modules:
+        return "torch only"
+    text = ", ".join(f"`{m}`" for m in backend.required_modules)
+    return text + (f" (`{backend.install_hint}`)" if backend.install_hint else "")
+
+
+ROWS = (
+    ("devices", lambda b: _names(b.device_types)),
+    ("vendors / architectures", _capability),
+    ("dtypes", lambda b: _names(b.dtypes)),
+    ("head dims", _head_dims),
+    ("head_dim_v != head_dim", lambda b: _yes(b.supports_dv_differs)),
+    ("GQA / MQA", lambda b: _yes(b.supports_gqa)),
+    ("causal", lambda b: _yes(b.supports_causal)),
+    ("sliding window", lambda b: _yes(b.supports_window)),
+    ("mask tensor", lambda b: _names(b.mask_kinds) or "no"),
+    ("mask gradient", lambda b: _yes(b.supports_mask_grad)),
+    ("ALiBi", lambda b: _yes(b.supports_alibi)),
+    ("softcap", lambda b: _yes(b.supports_softcap)),
+    ("backward", lambda b: _yes(b.supports_backward)),
+    ("deterministic", lambda b: _yes(b.deterministic)),
+    ("other limits", _extra_limits),
+    ("needs", _needs),
+)
+
+
+def _priority_line() -> str:
+    from attnx import dispatch
+
+    order = " > ".join(f"`{name}`" for name in dispatch.PRIORITY)
+    return (f"Dispatcher priority (`attnx/dispatch.py`): {order}; on devices other than CUDA, `naive` goes "
+            f"before `blocked` while `B * Hq * Sq * Sk <= {dispatch.NAIVE_MAX_SCORES:,}` (`NAIVE_MAX_SCORES`).")
+
+
+def render(backends=None) -> str:
+    """The generated markdown: the support matrix and each backend's description."""
+    backends = builtin_backends() if backends is None else backends
+    header = "| | " + " | ".join(f"`{b.name}`" for b in backends) + " |"
+    lines = [BEGIN, "", header, "|---|" + "---|" * len(backends)]
+    for label, cell in ROWS:
+        lines.append(f"| {label} | " + " | ".join(cell(b).replace("|", "\\|") for b in backends) + " |")
+    lines.append("")
+    for b in backends:
+        lines.append(f"- **{b.name}**: {b.description}")
+    lines += ["", _priority_line(), "", END]
+    return "\n".join(lines)
+
+
+def splice(page: str, generated: str) -> str:
+    """`page` with the text between the markers replaced by `generated` (markers included)."""
+    start, end = page.find(BEGIN), page.find(END)
+    if start < 0 or end < 0:
+        raise SystemExit(f"{PAGE} lacks the markers {BEGIN!r} ... {END!r}")
+    return page[:start] + generated + page[end + len(END):]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when docs/backends.md is out of date")
+    args = parser.parse_args(argv)
+    page = PAGE.read_text()
+    updated = splice(page, render())
+    if args.check:
+        if updated != page:
+            print("docs/backends.md is out of date: run `python docs/gen_backends.py`")
+            return 1
+        print("docs/backends.md is up to date")
+        return 0
+    if updated != page:
+        PAGE.write_text(updated)
+        print(f"updated {PAGE}")
+    else:
+        print(f"{PAGE} already up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
