@@ -68,7 +68,8 @@ def check_case(dtype=torch.bfloat16, b=2, hq=4, hkv=4, sq=128, sk=128, d=64, dv=
     assert torch.equal(finite, torch.isfinite(lse)), "lse -inf pattern differs"
     if finite.any():
         lse_err = (lse.double()[finite] - ref_lse[finite]).abs().max().item()
-        assert lse_err <= 1e-3, f"lse error {lse_err}"
+        bound_lse = 1e-3 + 2 ** -20 * ref_lse[finite].abs().max().item()  # float32 cannot resolve 1e-3 past 8192
+        assert lse_err <= bound_lse, f"lse error {lse_err}"
     if not grad:
         return
     dout = rnd(*out.shape).to(dtype)
