@@ -127,8 +127,10 @@ def make_problem(q, k, v, causal=False, window=None, mask=None, scale=None,
     if kb != batch or vb != batch:
         raise InvalidArgumentError(f"batch sizes of `q`, `k`, `v` differ: {batch}, {kb}, {vb}")
     if min(batch, heads_q, seqlen_q, head_dim, heads_kv, seqlen_k, head_dim_v) < 1:
+        empty = next(n for n, t in (("q", q), ("k", k), ("v", v)) if t.numel() == 0)
         raise InvalidArgumentError(
-            f"every size must be >= 1; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} ({layout})")
+            f"`{empty}` has a zero-size dimension: every size must be >= 1; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)} ({layout})")
     if kd != head_dim:
         raise InvalidArgumentError(f"`k` head dim must equal `q` head dim {head_dim}, got {kd}")
     if vh != heads_kv or vs != seqlen_k:

@@ -25,7 +25,12 @@ def normalize_names(names: Union[str, Iterable[str]], what: str) -> tuple[str, .
     if not names:
         raise InvalidArgumentError(f"{what} names no backend")
     for name in names:
-        get_backend(name)  # raises for unknown names
+        try:
+            get_backend(name)
+        except InvalidTypeError as err:  # name what was wrong: use_backend or ATTNX_BACKEND
+            raise InvalidTypeError(f"{what}: {err}") from None
+        except InvalidArgumentError as err:
+            raise InvalidArgumentError(f"{what}: {err}") from None
     return tuple(names)
 
 

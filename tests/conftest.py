@@ -1,0 +1,78 @@
+"""Shared fixtures: a registry restored after each test, spy backends that record what ran."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnx
+from attnx import dispatch, registry
+from attnx.reference import attention_reference
+
+
+class SpyBackend(attnx.Backend):
+    """The formula in torch ops, recording every reasons/forward/backward call."""
+
+    name = "spy"
+    device_types = frozenset({"cpu", "meta"})
+
+    def __init__(self):
+        self.calls = []
+
+    def reasons(self, p):
+        self.calls.append("reasons")
+        return super().reasons(p)
+
+    def forward(self, p, q, k, v, mask, alibi_slopes):
+        self.calls.append("forward")
+        with torch.no_grad():
+            out, lse = attention_reference(q, k, v, scale=p.scale, softcap=p.softcap, alibi_slopes=alibi_slopes,
+                                           mask=mask, window_left=p.window_left, window_right=p.window_right)
+        result = attnx.alloc_out(p, q)
+        result.copy_(out)
+        return result, lse.float()
+
+
+def make_spy(name="spy", **declarations):
+    """A SpyBackend subclass instance named `name` with class attributes overridden."""
+    cls = type(f"Spy_{name}", (SpyBackend,), {"name": name, **declarations})
+    return cls()
+
+
+@pytest.fixture
+def clean_registry(monkeypatch):
+    """Restore the registered backends, the decision cache and ATTNX_BACKEND after the test."""
+    monkeypatch.delenv("ATTNX_BACKEND", raising=False)
+    saved = dict(registry.backends())
+    dispatch.clear_cache()
+    yield registry._BACKENDS
+    registry._BACKENDS.clear()
+    registry._BACKENDS.update(saved)
+    dispatch.clear_cache()
+
+
+@pytest.fixture
+def ran(clean_registry, monkeypatch):
+    """List of (backend name, "forward"/"backward") for every backend compute call made in the test."""
+    calls = []
+    for name, backend in clean_registry.items():
+        for method in ("forward", "backward"):
+            original = getattr(backend, method)
+
+            def record(*args, _name=name, _method=method, _original=original, **kwargs):
+                calls.append((_name, _method))
+                return _original(*args, **kwargs)
+
+            monkeypatch.setattr(backend, method, record)
+    return calls
+
+
+def qkv(b=1, hq=2, hkv=2, sq=8, sk=8, d=16, dv=None, dtype=torch.float32, layout="bhsd", requires_grad=False,
+        device="cpu"):
+    """Small random q, k, v in `layout`."""
+    def shape(h, s, dim):
+        return (b, h, s, dim) if layout == "bhsd" else (b, s, h, dim)
+
+    tensors = [torch.randn(shape(hq, sq, d), dtype=dtype, device=device),
+               torch.randn(shape(hkv, sk, d), dtype=dtype, device=device),
+               torch.randn(shape(hkv, sk, dv or d), dtype=dtype, device=device)]
+    return [t.requires_grad_(requires_grad) for t in tensors]
