@@ -1,0 +1,191 @@
+"""The dispatcher: explain, use_backend, ATTNX_BACKEND, forced backends, NoBackendError, the decision cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnx
+from attnx import dispatch
+from conftest import make_spy, qkv
+
+F64_ONLY = {"dtypes": frozenset({torch.float64})}
+
+
+def test_explain_reports_chosen_and_every_backend(clean_registry):
+    attnx.register_backend(make_spy("declines", **F64_ONLY))
+    q, k, v = qkv()
+    decision = attnx.explain(q, k, v, causal=True)
+    assert decision.chosen in clean_registry
+    assert set(decision.reasons) == set(clean_registry)
+    assert decision.reasons[decision.chosen] == []
+    assert decision.reasons["naive"] == []  # "would work"
+    assert any("float32" in r for r in decision.reasons["declines"])
+    text = str(decision)
+    assert f"chosen: {decision.chosen}" in text and "declines" in text
+    assert decision.problem.causal and decision.problem.window_right == 0
+
+
+def test_explain_with_forced_backend(clean_registry):
+    q, k, v = qkv()
+    assert attnx.explain(q, k, v, backend="naive").chosen == "naive"
+    attnx.register_backend(make_spy("declines", **F64_ONLY))
+    decision = attnx.explain(q, k, v, backend="declines")
+    assert decision.chosen is None and decision.considered == ("declines",)
+    with pytest.raises(ValueError, match="unknown backend"):
+        attnx.explain(q, k, v, backend="no-such-backend")
+
+
+def test_forcing_a_declining_backend_lists_its_reasons(clean_registry):
+    attnx.register_backend(make_spy("declines", **F64_ONLY))
+    q, k, v = qkv()
+    with pytest.raises(attnx.NoBackendError) as info:
+        attnx.attention(q, k, v, backend="declines")
+    assert "declines" in str(info.value) and "dtype float32 not supported" in str(info.value)
+    assert list(info.value.reasons) == ["declines"]
+    with pytest.raises(attnx.NoBackendError, match="dtype float32"), attnx.use_backend("declines"):
+        attnx.attention(q, k, v)
+
+
+def test_no_backend_accepts_lists_every_reason(clean_registry):
+    clean_registry.clear()
+    attnx.register_backend(make_spy("only64", **F64_ONLY))
+    attnx.register_backend(make_spy("nogqa", supports_gqa=False))
+    q, k, v = qkv(hq=4, hkv=2)
+    with pytest.raises(attnx.NoBackendError) as info:
+        attnx.attention(q, k, v)
+    message = str(info.value)
+    assert "no registered backend accepts" in message
+    assert "only64" in message and "dtype float32" in message
+    assert "nogqa" in message and "grouped-query" in message
+    assert set(info.value.reasons) == {"only64", "nogqa"}
+
+
+def test_use_backend_restricts_nests_and_restores(ran):
+    q, k, v = qkv()
+    attnx.attention(q, k, v)
+    default = ran.pop()[0]
+    other = "blocked" if default != "blocked" and "blocked" in attnx.backends() else "naive"
+    with attnx.use_backend(other):
+        attnx.attention(q, k, v)
+        assert ran.pop() == (other, "forward")
+        with attnx.use_backend(default):
+            attnx.attention(q, k, v)
+            assert ran.pop() == (default, "forward")
+        attnx.attention(q, k, v)
+        assert ran.pop() == (other, "forward")
+    attnx.attention(q, k, v)
+    assert ran.pop() == (default, "forward")
+
+
+def test_use_backend_restores_after_exception(ran):
+    from attnx.selection import allowed_backends
+
+    assert allowed_backends() is None
+    with pytest.raises(RuntimeError, match="boom"):
+        with attnx.use_backend("naive"):
+            assert allowed_backends() == ("naive",)
+            raise RuntimeError("boom")
+    assert allowed_backends() is None
+
+
+@pytest.mark.parametrize("names", ["naive,spy", ["naive", "spy"], ("spy", "naive")])
+def test_use_backend_accepts_lists(names, clean_registry):
+    spy = attnx.register_backend(make_spy())
+    q, k, v = qkv()
+    with attnx.use_backend(names):
+        decision = attnx.explain(q, k, v)
+        assert set(decision.considered) == {"naive", "spy"}
+        attnx.attention(q, k, v)
+    assert decision.chosen == "naive"  # priority decides among the allowed, not the order given
+    assert "forward" not in spy.calls
+
+
+def test_use_backend_restriction_to_a_declining_backend(clean_registry):
+    attnx.register_backend(make_spy("declines", **F64_ONLY))
+    q, k, v = qkv()
+    with attnx.use_backend("declines"):
+        with pytest.raises(attnx.NoBackendError, match="allowed backends"):
+            attnx.attention(q, k, v)
+        attnx.attention(*(t.double() for t in (q, k, v)))  # accepted in float64
+
+
+def test_env_variable_restricts(monkeypatch, ran):
+    q, k, v = qkv()
+    attnx.attention(q, k, v)
+    default = ran.pop()[0]
+    other = "blocked" if default != "blocked" and "blocked" in attnx.backends() else "naive"
+    monkeypatch.setenv("ATTNX_BACKEND", other)
+    attnx.attention(q, k, v)
+    assert ran.pop() == (other, "forward")
+    assert attnx.explain(q, k, v).considered == (other,)
+    with attnx.use_backend(default):  # use_backend overrides the environment
+        attnx.attention(q, k, v)
+        assert ran.pop() == (default, "forward")
+    monkeypatch.delenv("ATTNX_BACKEND")
+    attnx.attention(q, k, v)
+    assert ran.pop() == (default, "forward")
+
+
+def test_forced_backend_beats_use_backend(ran):
+    q, k, v = qkv()
+    with attnx.use_backend("naive"):
+        if "blocked" in attnx.backends():
+            attnx.attention(q, k, v, backend="blocked")
+            assert ran.pop() == ("blocked", "forward")
+
+
+def test_decision_is_cached_on_the_problem(clean_registry):
+    spy = attnx.register_backend(make_spy())
+    q, k, v = qkv()
+    p = attnx.make_problem(q, k, v)
+    first = dispatch.choose(p, "spy")
+    assert first is spy and spy.calls == ["reasons"]
+    q2, k2, v2 = qkv()  # new tensors, same signature
+    assert dispatch.choose(attnx.make_problem(q2, k2, v2), "spy") is first
+    attnx.attention(q2, k2, v2, backend="spy")
+    assert spy.calls == ["reasons", "forward"]  # no second decision
+    assert dispatch.choose(p) is dispatch.choose(attnx.make_problem(q2, k2, v2))
+    decisions = spy.calls.count("reasons")
+    # a different signature is a new decision
+    dispatch.choose(attnx.make_problem(q[:, :, :4], k, v), "spy")
+    assert spy.calls.count("reasons") == decisions + 1
+
+
+def test_register_backend_clears_the_cache(clean_registry):
+    q, k, v = qkv()
+    p = attnx.make_problem(q, k, v)
+    before = dispatch.choose(p)
+    replacement = attnx.register_backend(make_spy(before.name))
+    assert dispatch.choose(p) is replacement
+
+
+def test_priority_prefers_naive_for_small_cpu_problems():
+    q, k, v = qkv()
+    small = attnx.make_problem(q, k, v)
+    big = small._replace(seqlen_q=4096, seqlen_k=4096)
+    order_small, order_big = dispatch.priority(small), dispatch.priority(big)
+    if "blocked" in order_small:
+        assert order_small.index("naive") < order_small.index("blocked")
+        assert order_big.index("blocked") < order_big.index("naive")
+
+
+def test_list_backends():
+    listed = attnx.list_backends()
+    names = [b["name"] for b in listed]
+    assert "naive" in names and names == list(attnx.backends())
+    for entry in listed:
+        assert set(entry) >= {"name", "available", "reasons", "description"}
+        assert entry["available"] == (entry["reasons"] == [])
+    naive = next(b for b in listed if b["name"] == "naive")
+    assert naive["available"] and naive["reasons"] == []
+
+
+def test_unavailable_backend_says_how_to_install(clean_registry):
+    missing = attnx.register_backend(make_spy("needs_pkg", required_modules=("attnx_no_such_module",),
+                                              install_hint="pip install attnx-no-such-module"))
+    assert not missing.available
+    q, k, v = qkv()
+    why = attnx.explain(q, k, v).reasons["needs_pkg"]
+    assert any("attnx_no_such_module" in r and "pip install" in r for r in why)
+    with pytest.raises(attnx.NoBackendError, match="not installed"):
+        attnx.attention(q, k, v, backend="needs_pkg")
