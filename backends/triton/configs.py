@@ -1,0 +1,121 @@
+"""Launch configurations: tile sizes, warps, stages (and AMD's HIP-only knobs), per vendor and head dim.
+
+Every kernel launch is one *variant*: (kernel, dtype, BLOCK_D, path) plus one config
+from `candidates`. The fast ("dense") path is fp16/bf16 with D == Dv == BLOCK_D and no
+softcap/alibi/mask; everything else takes the "general" path (masked head dim,
+runtime score modifiers). `aot.py` enumerates exactly these, so what is listed here is
+what CI compiles for every target.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+# Head dims are padded (inside the kernel, with masks) to one of these.
+BLOCK_DS = (64, 128, 256)
+KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")          # the matrix kernels (bwd_preprocess has no tiles to tune)
+PATHS = ("dense", "general")
+DTYPES = ("fp16", "bf16", "fp32")
+DENSE_DTYPES = ("fp16", "bf16")
+PREPROCESS_BLOCK_M = 64
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+class LaunchConfig(NamedTuple):
+    """One candidate: tiles (BLOCK_M = query rows, BLOCK_N = key rows) and compiler options."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    waves_per_eu: int = 0          # AMD only: occupancy hint
+    matrix_instr_nonkdim: int = 0  # AMD CDNA only: 16 -> 16x16 MFMA, 32 -> 32x32
+
+    def options(self, family: str) -> dict:
+        """Compiler options as triton.compile / a launch take them."""
+        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if family in ("cdna", "rdna"):
+            if self.waves_per_eu:
+                opts["waves_per_eu"] = self.waves_per_eu
+            if self.matrix_instr_nonkdim:
+                opts["matrix_instr_nonkdim"] = self.matrix_instr_nonkdim
+        return opts
+
+
+def path_of(p) -> str:
+    """'dense' (the tuned fast path) or 'general' for a Problem."""
+    dense = (p.softcap is None and not p.has_alibi and p.mask_kind is None and p.head_dim == p.head_dim_v
+             and p.head_dim in BLOCK_DS and DTYPE_NAMES.get(p.dtype) in DENSE_DTYPES)
+    return "dense" if dense else "general"
+
+
+def block_d(head_dim: int, head_dim_v: int) -> int:
+    """The padded head dim the kernels run at."""
+    need = max(head_dim, head_dim_v)
+    return next(b for b in BLOCK_DS if b >= need)
+
+
+def family(vendor: str, arch: str) -> str:
+    """Config family of a device: 'hopper', 'ampere' (sm80-sm89), 'cdna', 'rdna' or 'cpu' (interpreter)."""
+    if vendor == "nvidia":
+        return "hopper" if arch.startswith("sm_9") else "ampere"
+    if vendor == "amd":
+        return "rdna" if arch.startswith("gfx11") else "cdna"
+    return "cpu"
+
+
+C = LaunchConfig
+
+
+def candidates(fam: str, kernel: str, path: str, bd: int, dtype: str) -> list[LaunchConfig]:
+    """Pruned candidates, best guess first. More than one only where autotuning pays (dense path)."""
+    wide = dtype == "fp32"  # 4-byte operands: half the tile fits
+    if fam == "cpu":
+        # the interpreter: small tiles keep numpy fast
+        return [C(32, 32, 4, 1)] if kernel != "bwd_dkdv" else [C(16, 32, 4, 1)]
+    if fam == "hopper":
+        if kernel == "fwd":
+            if path == "dense":
+                if bd == 64:
+                    return [C(128, 128, 4, 3), C(128, 64, 4, 4)]
+                return [C(128, 128, 8, 3), C(128, 64, 8, 3)]
+            if wide:
+                return [C(64, 32, 4, 2)] if bd < 256 else [C(32, 32, 4, 2)]
+            return [C(128, 64, 8, 2)] if bd < 256 else [C(64, 64, 8, 2)]
+        if kernel == "bwd_dkdv":
+            if path == "dense":
+                return [C(64, 128, 8, 3), C(32, 128, 4, 4)]
+            if wide:
+                return [C(32, 64, 4, 2)] if bd < 256 else [C(16, 32, 4, 2)]
+            return [C(32, 64, 4, 2)] if bd < 256 else [C(32, 32, 8, 2)]
+        if path == "dense":  # bwd_dq
+            return [C(128, 64, 8, 3), C(64, 64, 4, 3)]
+        if wide:
+            return [C(64, 32, 4, 2)] if bd < 256 else [C(32, 16, 4, 2)]
+        return [C(64, 64, 4, 2)] if bd < 256 else [C(32, 32, 8, 2)]
+    if fam == "ampere":
+        big = bd == 256 or wide
+        if kernel == "fwd":
+            return [C(64, 32, 4, 2)] if big else [C(128, 64, 4, 2) if bd == 64 else C(64, 64, 4, 2)]
+        if kernel == "bwd_dkdv":
+            return [C(16, 32, 4, 2)] if big else [C(32, 64, 4, 2)]
+        return [C(32, 16, 4, 2)] if big else [C(64, 32, 4, 2)]
+    # AMD: LDS is 64 KB on CDNA2/3 and RDNA3; tiles stay in registers between MFMA/WMMA (num_stages 1)
+    nonk = 16 if fam == "cdna" else 0
+    big = bd == 256 or wide
+    if kernel == "fwd":
+        if path == "dense" and fam == "cdna":
+            return [C(128, 64, 4, 1, 2, nonk), C(128, 32, 4, 1, 2, nonk)] if bd <= 128 else [C(64, 32, 4, 1, 2, nonk)]
+        return [C(32, 32, 4, 1, 0, nonk)] if big else [C(64, 32, 4, 1, 0, nonk)]
+    if kernel == "bwd_dkdv":
+        return [C(16, 32, 4, 1, 0, nonk)] if big else [C(32, 64, 4, 1, 0, nonk)]
+    return [C(32, 16, 4, 1, 0, nonk)] if big else [C(64, 32, 4, 1, 0, nonk)]
+
+
+# Variants that do not compile or fit on a family, with the reason (kept in step with tests/test_triton_aot.py).
+UNSUPPORTED: dict = {}
+
+
+def unsupported_reason(fam: str, kernel: str, path: str, bd: int, dtype: str) -> Optional[str]:
+    return UNSUPPORTED.get((fam, kernel, path, bd, dtype))

@@ -1,0 +1,278 @@
+"""FlashAttention-2 backward in Triton: recompute probabilities from lse, never store scores.
+
+Three launches, no atomics (so results are bitwise reproducible):
+  1. ``bwd_preprocess``: delta = rowsum(dO * O);
+  2. ``bwd_dkdv``: one program per key block and kv head, looping over the query heads
+     of its group and the query blocks that can see it (GQA sums in registers);
+  3. ``bwd_dq``: one program per query block and query head, looping over key blocks.
+"""
+import triton
+import triton.language as tl
+
+from .kernels_common import LOG2E, block_range, dot, scores
+
+
+@triton.jit
+def bwd_preprocess(Out, dOut, Delta,
+                   stride_ob, stride_oh, stride_om, stride_od,
+                   stride_dob, stride_doh, stride_dom, stride_dod,
+                   heads_q, seqlen_q, head_dim_v,
+                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // heads_q).to(tl.int64)
+    h = (pid_bh % heads_q).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    inside = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim_v)
+    rows = offs_m.to(tl.int64)[:, None]
+    o = tl.load(Out + b * stride_ob + h * stride_oh + rows * stride_om + offs_d[None, :] * stride_od,
+                mask=inside, other=0.0)
+    do = tl.load(dOut + b * stride_dob + h * stride_doh + rows * stride_dom + offs_d[None, :] * stride_dod,
+                 mask=inside, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + (b * heads_q + h) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dmask_base,
+                 stride_qm, stride_qd, stride_dom, stride_dod,
+                 mask_base, stride_mask_m, stride_mask_n, slope, offs_n, offs_m, offs_d,
+                 lo, hi, split, gap, scale, softcap, key_offset, seqlen_q, seqlen_k, head_dim, head_dim_v,
+                 window_left, window_right, store_dmask,
+                 BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, GENERAL: tl.constexpr, BOUNDARY: tl.constexpr):
+    # transposed formulation (rows = keys) so dV += P^T dO and dK += dS^T Q need no transposes of P
+    for i in range(0, (hi - lo) // BLOCK_M):
+        start_m = lo + i * BLOCK_M
+        if BOUNDARY:
+            start_m = tl.where(start_m < split, start_m, start_m + gap)
+        offs_qm = start_m + offs_m
+        rows = offs_qm.to(tl.int64)[:, None]
+        q_ptrs = q_base + rows * stride_qm + offs_d[None, :] * stride_qd
+        do_ptrs = do_base + rows * stride_dom + offs_d[None, :] * stride_dod
+        if EVEN_D:
+            if BOUNDARY:
+                q = tl.load(q_ptrs, mask=offs_qm[:, None] < seqlen_q, other=0.0)
+                do = tl.load(do_ptrs, mask=offs_qm[:, None] < seqlen_q, other=0.0)
+            else:
+                q = tl.load(q_ptrs)
+                do = tl.load(do_ptrs)
+        else:
+            q = tl.load(q_ptrs, mask=(offs_qm[:, None] < seqlen_q) & (offs_d[None, :] < head_dim), other=0.0)
+            do = tl.load(do_ptrs, mask=(offs_qm[:, None] < seqlen_q) & (offs_d[None, :] < head_dim_v), other=0.0)
+        # rows past Sq and rows that saw no key get lse = +inf, hence P = 0
+        lse = tl.load(lse_base + offs_qm, mask=offs_qm < seqlen_q, other=float("inf"))
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+        delta = tl.load(delta_base + offs_qm, mask=offs_qm < seqlen_q, other=0.0)
+        qk_t = dot(k, tl.trans(q), tl.zeros([k.shape[0], BLOCK_M], dtype=tl.float32))
+        s2_t, t_t = scores(qk_t, offs_qm[None, :], offs_n[:, None], scale, softcap, slope, mask_base,
+                           stride_mask_m, stride_mask_n, key_offset, seqlen_q, seqlen_k, window_left, window_right,
+                           GENERAL, BOUNDARY)
+        p_t = tl.math.exp2(s2_t - lse2[None, :])
+        dv = dot(p_t.to(do.dtype), do, dv)
+        dp_t = dot(v, tl.trans(do), tl.zeros([k.shape[0], BLOCK_M], dtype=tl.float32))
+        ds_t = p_t * (dp_t - delta[None, :])
+        if GENERAL:
+            if store_dmask != 0:
+                # gradient of an additive mask = gradient of the final score
+                dm_ptrs = dmask_base + offs_qm.to(tl.int64)[None, :] * seqlen_k + offs_n[:, None]
+                tl.store(dm_ptrs, ds_t, mask=(offs_qm[None, :] < seqlen_q) & (offs_n[:, None] < seqlen_k))
+            if softcap > 0.0:
+                ds_t = ds_t * (1.0 - t_t * t_t)
+        dk = dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Mask, Slopes, dMask,
+             stride_qb, stride_qh, stride_qm, stride_qd,
+             stride_kb, stride_kh, stride_kn, stride_kd,
+             stride_vb, stride_vh, stride_vn, stride_vd,
+             stride_dob, stride_doh, stride_dom, stride_dod,
+             stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+             stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+             stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+             stride_slope_b, stride_slope_h,
+             heads_q, heads_kv, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v,
+             key_offset, window_left, window_right, scale, softcap, store_dmask, seq_bucket,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+             GENERAL: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // heads_kv).to(tl.int64)
+    h_kv = (pid_bh % heads_kv).to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    cols = offs_n.to(tl.int64)[:, None]
+    k_ptrs = K + b * stride_kb + h_kv * stride_kh + cols * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + b * stride_vb + h_kv * stride_vh + cols * stride_vn + offs_d[None, :] * stride_vd
+    if EVEN_D:
+        k = tl.load(k_ptrs, mask=offs_n[:, None] < seqlen_k, other=0.0)
+        v = tl.load(v_ptrs, mask=offs_n[:, None] < seqlen_k, other=0.0)
+    else:
+        k = tl.load(k_ptrs, mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < head_dim), other=0.0)
+        v = tl.load(v_ptrs, mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < head_dim_v), other=0.0)
+
+    # queries that may see a key of this block: p_i - left <= j <= p_i + right
+    last_key = tl.minimum(n0 + BLOCK_N, seqlen_k) - 1
+    lo, full_lo, full_hi, end = block_range(
+        n0 - window_right - key_offset,
+        tl.minimum(seqlen_q, last_key + window_left - key_offset + 1),
+        n0 + BLOCK_N - 1 - key_offset - window_right,
+        tl.minimum(n0 + window_left - key_offset + 1, seqlen_q),
+        BLOCK_M)
+    if GENERAL:
+        # one loop, every block masked: half the code to compile for the rarely-hot path
+        full_lo = lo
+        full_hi = lo
+    # (keys past Sk in a partial block only touch dK/dV rows that are never stored)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for g in range(0, group_size):
+        h = h_kv * group_size + g
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = dOut + b * stride_dob + h * stride_doh
+        lse_base = Lse + (b * heads_q + h) * seqlen_q
+        delta_base = Delta + (b * heads_q + h) * seqlen_q
+        dmask_base = dMask + (b * heads_q + h) * seqlen_q * seqlen_k
+        mask_base = Mask + b * stride_mask_b + h * stride_mask_h
+        slope = 0.0
+        if GENERAL:
+            slope = tl.load(Slopes + b * stride_slope_b + h * stride_slope_h)
+        else:  # interior blocks (the general path has none)
+            dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dmask_base,
+                                  stride_qm, stride_qd, stride_dom, stride_dod,
+                                  mask_base, stride_mask_m, stride_mask_n, slope, offs_n, offs_m, offs_d,
+                                  full_lo, full_hi, full_hi, 0, scale, softcap, key_offset, seqlen_q, seqlen_k,
+                                  head_dim, head_dim_v, window_left, window_right, store_dmask,
+                                  BLOCK_M, EVEN_D, GENERAL, False)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dmask_base,
+                              stride_qm, stride_qd, stride_dom, stride_dod,
+                              mask_base, stride_mask_m, stride_mask_n, slope, offs_n, offs_m, offs_d,
+                              lo, end - (full_hi - full_lo), full_lo, full_hi - full_lo, scale, softcap,
+                              key_offset, seqlen_q, seqlen_k, head_dim, head_dim_v, window_left, window_right,
+                              store_dmask, BLOCK_M, EVEN_D, GENERAL, True)
+
+    dk = dk * scale
+    dk_ptrs = dK + b * stride_dkb + h_kv * stride_dkh + cols * stride_dkn + offs_d[None, :] * stride_dkd
+    dv_ptrs = dV + b * stride_dvb + h_kv * stride_dvh + cols * stride_dvn + offs_d[None, :] * stride_dvd
+    if EVEN_D:
+        tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=offs_n[:, None] < seqlen_k)
+        tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=offs_n[:, None] < seqlen_k)
+    else:
+        tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < head_dim))
+        tl.store(dv_ptrs, dv.to(dV.dtype.element_ty),
+                 mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < head_dim_v))
+
+
+@triton.jit
+def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+               mask_base, stride_mask_m, stride_mask_n, slope, offs_m, offs_n, offs_d,
+               lo, hi, split, gap, scale, softcap, key_offset, seqlen_q, seqlen_k, head_dim, head_dim_v,
+               window_left, window_right,
+               BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, GENERAL: tl.constexpr, BOUNDARY: tl.constexpr):
+    for i in range(0, (hi - lo) // BLOCK_N):
+        start_n = lo + i * BLOCK_N
+        if BOUNDARY:
+            start_n = tl.where(start_n < split, start_n, start_n + gap)
+        offs_kn = start_n + offs_n
+        cols = offs_kn.to(tl.int64)[:, None]
+        k_ptrs = k_base + cols * stride_kn + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + cols * stride_vn + offs_d[None, :] * stride_vd
+        if EVEN_D:
+            if BOUNDARY:
+                k = tl.load(k_ptrs, mask=offs_kn[:, None] < seqlen_k, other=0.0)
+                v = tl.load(v_ptrs, mask=offs_kn[:, None] < seqlen_k, other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=(offs_kn[:, None] < seqlen_k) & (offs_d[None, :] < head_dim), other=0.0)
+            v = tl.load(v_ptrs, mask=(offs_kn[:, None] < seqlen_k) & (offs_d[None, :] < head_dim_v), other=0.0)
+        qk = dot(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32))
+        s2, t = scores(qk, offs_m[:, None], offs_kn[None, :], scale, softcap, slope, mask_base,
+                       stride_mask_m, stride_mask_n, key_offset, seqlen_q, seqlen_k, window_left, window_right,
+                       GENERAL, BOUNDARY)
+        p = tl.math.exp2(s2 - lse2[:, None])
+        dp = dot(do, tl.trans(v), tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32))
+        ds = p * (dp - delta[:, None])
+        if GENERAL:
+            if softcap > 0.0:
+                ds = ds * (1.0 - t * t)
+        dq = dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.jit
+def bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Mask, Slopes,
+           stride_qb, stride_qh, stride_qm, stride_qd,
+           stride_kb, stride_kh, stride_kn, stride_kd,
+           stride_vb, stride_vh, stride_vn, stride_vd,
+           stride_dob, stride_doh, stride_dom, stride_dod,
+           stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+           stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+           stride_slope_b, stride_slope_h,
+           heads_q, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v,
+           key_offset, window_left, window_right, scale, softcap, seq_bucket,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+           GENERAL: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // heads_q).to(tl.int64)
+    h = pid_bh % heads_q
+    h_kv = (h // group_size).to(tl.int64)
+    h = h.to(tl.int64)
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = offs_m.to(tl.int64)[:, None]
+    q_ptrs = Q + b * stride_qb + h * stride_qh + rows * stride_qm + offs_d[None, :] * stride_qd
+    do_ptrs = dOut + b * stride_dob + h * stride_doh + rows * stride_dom + offs_d[None, :] * stride_dod
+    if EVEN_D:
+        q = tl.load(q_ptrs, mask=offs_m[:, None] < seqlen_q, other=0.0)
+        do = tl.load(do_ptrs, mask=offs_m[:, None] < seqlen_q, other=0.0)
+    else:
+        q = tl.load(q_ptrs, mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim), other=0.0)
+        do = tl.load(do_ptrs, mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim_v), other=0.0)
+    row_base = (b * heads_q + h) * seqlen_q
+    lse = tl.load(Lse + row_base + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    delta = tl.load(Delta + row_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    k_base = K + b * stride_kb + h_kv * stride_kh
+    v_base = V + b * stride_vb + h_kv * stride_vh
+    mask_base = Mask + b * stride_mask_b + h * stride_mask_h
+    slope = 0.0
+    if GENERAL:
+        slope = tl.load(Slopes + b * stride_slope_b + h * stride_slope_h)
+
+    last_row = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
+    lo, full_lo, full_hi, end = block_range(
+        m0 + key_offset - window_left,
+        tl.minimum(seqlen_k, last_row + key_offset + window_right + 1),
+        m0 + BLOCK_M - 1 + key_offset - window_left,
+        tl.minimum(m0 + key_offset + window_right + 1, seqlen_k),
+        BLOCK_N)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if GENERAL:
+        full_lo = lo
+        full_hi = lo
+    else:
+        dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                        mask_base, stride_mask_m, stride_mask_n, slope, offs_m, offs_n, offs_d,
+                        full_lo, full_hi, full_hi, 0, scale, softcap, key_offset, seqlen_q, seqlen_k,
+                        head_dim, head_dim_v, window_left, window_right, BLOCK_N, EVEN_D, GENERAL, False)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                    mask_base, stride_mask_m, stride_mask_n, slope, offs_m, offs_n, offs_d,
+                    lo, end - (full_hi - full_lo), full_lo, full_hi - full_lo, scale, softcap, key_offset,
+                    seqlen_q, seqlen_k, head_dim, head_dim_v, window_left, window_right,
+                    BLOCK_N, EVEN_D, GENERAL, True)
+    dq = dq * scale
+    dq_ptrs = dQ + b * stride_dqb + h * stride_dqh + rows * stride_dqm + offs_d[None, :] * stride_dqd
+    if EVEN_D:
+        tl.store(dq_ptrs, dq.to(dQ.dtype.element_ty), mask=offs_m[:, None] < seqlen_q)
+    else:
+        tl.store(dq_ptrs, dq.to(dQ.dtype.element_ty), mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim))
