@@ -31,14 +31,14 @@ class CudaBackend(Backend):
         return []
 
     def extra_reasons(self, p) -> list[str]:
-        from .launch import MAX_GRID, MAX_SEQLEN, max_shared
+        from .launch import MAX_GRID, MAX_SEQLEN, max_shared, score_mod
         from .variants import backward_variants, forward_variant, head_dim_tile
 
         reasons = []
         if max(p.seqlen_q, p.seqlen_k) >= MAX_SEQLEN:
             reasons.append(f"sequence length >= {MAX_SEQLEN} not supported (int32 positions)")
         tile = head_dim_tile(p.head_dim, p.head_dim_v)
-        mod = p.softcap is not None or p.has_alibi
+        mod = score_mod(p)
         bf16 = p.dtype == torch.bfloat16
         shared = max_shared(p.capability or (0, 0))
         fwd = forward_variant(bf16, tile, mod, shared)

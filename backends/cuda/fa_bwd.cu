@@ -20,7 +20,9 @@ DEVI void attention_backward(const AttnParams& p) {
   constexpr int KS = HD / 16;
   constexpr int LD = HD + 8;
   constexpr int LDS = BM + 8;  // dS^T row stride
-  constexpr int DQC = HD % 64 == 0 ? 64 : (HD % 32 == 0 ? 32 : 16);  // dQ columns per warp task
+  // dQ columns per warp task: the widest that still gives every warp a task
+  constexpr int DQC = (HD % 64 == 0 && (BM / 16) * (HD / 64) >= NW) ? 64
+                      : (HD % 32 == 0 && (BM / 16) * (HD / 32) >= NW) ? 32 : 16;
   constexpr int DQ_TASKS = (BM / 16) * (HD / DQC);
   static_assert(BN == 16 * NW, "each warp owns 16 keys");
   static_assert(BM % 16 == 0 && HD % 16 == 0, "tiles must be multiples of 16");
@@ -91,6 +93,8 @@ DEVI void attention_backward(const AttnParams& p) {
   const int bn_row = (lane & 7) + (lane >> 4) * 8, bn_col = ((lane >> 3) & 1) * 8;
   const int bt_row = (lane & 7) + ((lane >> 3) & 1) * 8, bt_col = (lane >> 4) * 8;
   const int warp_key0 = warp * 16;
+  // log2 units per score unit: without a score mod the scores stay raw q.k (scale > 0 there)
+  const float unit = MOD ? ATTNX_LOG2E : p.scale_log2;
   const u32 sK_a = smem_u32(sK), sV_a = smem_u32(sV), sdS_a = smem_u32(sdS);
 
   if (steps > 0) prefetch(0);
@@ -137,7 +141,8 @@ DEVI void attention_backward(const AttnParams& p) {
       }
     }
 
-    // P^T = exp2(score - lse); tiles inside the window skip the checks
+    // P^T = exp2(score - lse): raw q.k scaled inside exp2 (no score mod), or the modified
+    // score in log2 units; tiles wholly inside the window skip the mask
     const bool need_mask = (m0 + BM > Sq) || (n0 + BN > Sk) || (n0 < m0 + BM - 1 + off - wl) ||
                            (n0 + BN - 1 > m0 + off + wr);
     float dcap[MOD ? NTQ : 1][4];
@@ -145,11 +150,10 @@ DEVI void attention_backward(const AttnParams& p) {
     for (int nt = 0; nt < NTQ; ++nt)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int key = n0 + warp_key0 + g + (i >> 1) * 8;
         const int qcol = nt * 8 + 2 * t4 + (i & 1);
-        const int query = m0 + qcol;
         float x = s[nt][i];
         if constexpr (MOD) {
+          const int key = n0 + warp_key0 + g + (i >> 1) * 8;
           x *= p.scale;
           dcap[nt][i] = 1.f;
           if (p.softcap > 0.f) {
@@ -157,15 +161,20 @@ DEVI void attention_backward(const AttnParams& p) {
             x = p.softcap * th;
             dcap[nt][i] = 1.f - th * th;
           }
-          x -= slope * fabsf((float)(query + off - key));
-          x *= ATTNX_LOG2E;
-        } else {
-          x *= p.scale_log2;
+          x -= slope * fabsf((float)(m0 + qcol + off - key));
         }
-        float prob = exp2_approx(x - lse2[qcol]);
-        if (need_mask && (query >= Sq || !key_visible(query, key, Sk, off, wl, wr))) prob = 0.f;
-        s[nt][i] = prob;
+        s[nt][i] = exp2_approx(fmaf(x, unit, -lse2[qcol]));
       }
+    if (need_mask) {
+#pragma unroll
+      for (int nt = 0; nt < NTQ; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int key = n0 + warp_key0 + g + (i >> 1) * 8;
+          const int query = m0 + nt * 8 + 2 * t4 + (i & 1);
+          if (query >= Sq || !key_visible(query, key, Sk, off, wl, wr)) s[nt][i] = 0.f;
+        }
+    }
 
     if constexpr (WITH_DV) {
       // dV += P^T dO
@@ -264,10 +273,11 @@ DEVI void attention_backward(const AttnParams& p) {
 #pragma unroll
         for (int j = 0; j < DQC / 8; ++j)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int row = m0 + mt * 16 + g + (i >> 1) * 8;
-            const int col = dc * DQC + j * 8 + 2 * t4 + (i & 1);
-            if (row < Sq && col < p.head_dim) atomicAdd(dq + (long long)row * p.dq_row + col, acc[j][i]);
+          for (int r = 0; r < 2; ++r) {
+            const int row = m0 + mt * 16 + g + r * 8;
+            const int col = dc * DQC + j * 8 + 2 * t4;
+            if (row < Sq && col < p.head_dim) atomic_add2(dq + (long long)row * p.dq_row + col, acc[j][2 * r],
+                                                          acc[j][2 * r + 1]);
           }
       }
     } else {

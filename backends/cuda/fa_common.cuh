@@ -76,6 +76,16 @@ DEVI u32 pack2(float lo, float hi) {
   return r;
 }
 
+// Two adjacent fp32 atomic adds (8-byte aligned address): one vector reduction on sm_90+.
+DEVI void atomic_add2(float* addr, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(addr, a);
+  atomicAdd(addr + 1, b);
+#endif
+}
+
 DEVI float exp2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

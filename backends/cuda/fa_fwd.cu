@@ -4,7 +4,7 @@
 // softmax in registers with exp2, fp32 accumulation, one write of out and lse.
 //
 // Compile-time knobs (NVRTC -D): IS_BF16, HEAD_DIM (padded tile), BLOCK_M,
-// BLOCK_N, NUM_WARPS, SCORE_MOD (softcap and/or ALiBi present).
+// BLOCK_N, NUM_WARPS, SCORE_MOD (softcap and/or ALiBi present, or a scale <= 0).
 #include "fa_common.cuh"
 #include "fa_params.cuh"
 
@@ -52,6 +52,8 @@ DEVI void attention_forward(const AttnParams& p) {
   if (n_first <= n_last) load_tile<BN, HD, THREADS>(sV, v, p.v_rs, n_first * BN, Sk, p.head_dim_v, tid);
   cp_commit();
 
+  // log2 units per score unit: without a score mod the scores stay raw q.k (scale > 0 there)
+  const float unit = MOD ? 1.f : p.scale_log2;
   float slope = 0.f;
   if constexpr (MOD) {
     if (p.alibi) slope = p.alibi[b * p.alibi_bs + h * p.alibi_hs];
@@ -126,30 +128,40 @@ DEVI void attention_forward(const AttnParams& p) {
     if (nb < n_last) load_tile<BN, HD, THREADS>(sK, k, p.k_rs, n0 + BN, Sk, p.head_dim, tid);
     cp_commit();
 
-    // scores in log2 units, masked to -inf; whole tiles inside the window skip the checks
+    // Scores: raw q.k (no score mod: the scale is folded into exp2 below) or, with softcap /
+    // ALiBi, the modified score in log2 units. Tiles wholly inside the window skip the mask.
     const bool need_mask = (n0 + BN > Sk) || (n0 < m0 + BM - 1 + off - wl) || (n0 + BN - 1 > m0 + off + wr);
+    if constexpr (MOD) {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int row = m0 + warp_row0 + mt * 16 + g + (i >> 1) * 8;
-          const int col = n0 + nt * 8 + 2 * t4 + (i & 1);
-          float x = s[mt][nt][i];
-          if constexpr (MOD) {
-            x *= p.scale;
+          for (int i = 0; i < 4; ++i) {
+            const int row = m0 + warp_row0 + mt * 16 + g + (i >> 1) * 8;
+            const int col = n0 + nt * 8 + 2 * t4 + (i & 1);
+            float x = s[mt][nt][i] * p.scale;
             if (p.softcap > 0.f) x = p.softcap * tanhf(x * p.softcap_inv);
             x -= slope * fabsf((float)(row + off - col));
-            x *= ATTNX_LOG2E;
-          } else {
-            x *= p.scale_log2;
+            s[mt][nt][i] = x * ATTNX_LOG2E;
           }
-          if (need_mask && !key_visible(row, col, Sk, off, wl, wr)) x = neg_inf();
-          s[mt][nt][i] = x;
-        }
+    }
+    if (need_mask) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int row = m0 + warp_row0 + mt * 16 + g + (i >> 1) * 8;
+            const int col = n0 + nt * 8 + 2 * t4 + (i & 1);
+            if (!key_visible(row, col, Sk, off, wl, wr)) s[mt][nt][i] = neg_inf();
+          }
+    }
 
-    // online softmax: each row lives in the 4 lanes of a quad
+    // online softmax: each row lives in the 4 lanes of a quad; row_max is in score units
+    float alphas[MT][2];
+    bool rescale = false;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -159,25 +171,31 @@ DEVI void attention_forward(const AttnParams& p) {
         for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_use = mx == neg_inf() ? 0.f : mx;  // a row with nothing visible yet
-        const float alpha = exp2_approx(row_max[mt][r] - m_use);
+        const float m_scaled = mx == neg_inf() ? 0.f : mx * unit;  // a row with nothing visible yet
+        const float alpha = exp2_approx(row_max[mt][r] * unit - m_scaled);
         row_max[mt][r] = mx;
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          const float p0 = exp2_approx(s[mt][nt][2 * r] - m_use);
-          const float p1 = exp2_approx(s[mt][nt][2 * r + 1] - m_use);
+          const float p0 = exp2_approx(fmaf(s[mt][nt][2 * r], unit, -m_scaled));
+          const float p1 = exp2_approx(fmaf(s[mt][nt][2 * r + 1], unit, -m_scaled));
           s[mt][nt][2 * r] = p0;
           s[mt][nt][2 * r + 1] = p1;
           sum += p0 + p1;
         }
         row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
-#pragma unroll
-        for (int dt = 0; dt < DT; ++dt) {
-          acc[mt][dt][2 * r] *= alpha;
-          acc[mt][dt][2 * r + 1] *= alpha;
-        }
+        alphas[mt][r] = alpha;
+        rescale |= alpha != 1.f;
       }
+    // rescale the accumulator only when some row max of this warp moved (rare after a few blocks)
+    if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[mt][dt][i] *= alphas[mt][i >> 1];
+    }
 
     cp_wait<1>();
     __syncthreads();  // this V block is in shared memory
@@ -225,7 +243,7 @@ DEVI void attention_forward(const AttnParams& p) {
             pack2<BF16>(acc[mt][dt][2 * r] * inv, acc[mt][dt][2 * r + 1] * inv);
       }
       const int row = m0 + srow;
-      if (t4 == 0 && row < Sq) lse[row] = l > 0.f ? (row_max[mt][r] + log2f(l)) * ATTNX_LN2 : neg_inf();
+      if (t4 == 0 && row < Sq) lse[row] = l > 0.f ? (row_max[mt][r] * unit + log2f(l)) * ATTNX_LN2 : neg_inf();
     }
   __syncthreads();
   u16* o = (u16*)p.o + b * p.o_bs + h * p.o_hs;

@@ -78,7 +78,8 @@ def _common(p, alibi_slopes) -> dict:
 
 
 def score_mod(p) -> bool:
-    return p.softcap is not None or p.has_alibi
+    """The general score path: softcap, ALiBi, or a scale <= 0 (the fast path folds a positive scale into exp2)."""
+    return p.softcap is not None or p.has_alibi or p.scale <= 0
 
 
 _streams: dict = {}
