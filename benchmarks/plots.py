@@ -59,6 +59,7 @@ def speed_plots(rows: list[dict], out_dir: Path, device_name: str) -> list[Path]
             figures.setdefault((setting, dtype, mode, causal), []).append((head_dim, group))
     paths = []
     for (setting, dtype, mode, causal), panels in figures.items():
+        panels.sort(key=lambda panel: panel[0])
         fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
         for ax, (head_dim, group) in zip(axes[0], panels):
             names = peer_names(group)

@@ -151,6 +151,9 @@ def console_table(rows: list[dict], checks: list[dict]) -> str:
                    f"S={largest} [{unit}] {cells}")
     measured = [c for c in checks if c["slowdown"] is not None]
     flagged = [c for c in measured if c["flag"]]
-    out.append(f"dispatcher check: {len(measured) - len(flagged)}/{len(measured)} picks within 5% of the best "
-               f"attnx backend" + (f"; FLAGGED: {'; '.join(_check_label(c) + ' picked ' + str(c['picked']) + ' best ' + str(c['best']) for c in flagged[:8])}" if flagged else ""))
+    line = f"dispatcher check: {len(measured) - len(flagged)}/{len(measured)} picks within 5% of the best attnx backend"
+    if flagged:
+        line += "; FLAGGED: " + "; ".join(f"{_check_label(c)} picked {c['picked']}, best {c['best']} "
+                                          f"(+{c['slowdown'] * 100:.0f}%)" for c in flagged[:8])
+    out.append(line)
     return "\n".join(out)

@@ -36,7 +36,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
-    return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores, {torch.get_num_threads()} torch thread(s)"
+    cpu = platform.processor() or platform.machine()
+    return f"{cpu} CPU, {os.cpu_count()} cores, {torch.get_num_threads()} torch thread(s)"
 
 
 def device_slug(device: str) -> str:
@@ -66,7 +67,8 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="a tiny version of each setting (smoke test)")
     parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<device>-<date>)")
-    parser.add_argument("--head-dims", default="64,128", help="head dims of the paper/cpu settings (e.g. 64,128,256)")
+    parser.add_argument("--head-dims", default="128,64",
+                        help="head dims of the paper/cpu settings, run in this order (e.g. 128,64,256)")
     parser.add_argument("--dtypes", default=None, help="dtypes of the paper/cpu settings (e.g. bf16,fp16)")
     parser.add_argument("--peers", default=None, help="only peers whose name contains one of these (comma list)")
     parser.add_argument("--max-seconds", type=float, default=None,
@@ -108,7 +110,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     max_seconds = args.max_seconds if args.max_seconds is not None else (540.0 if device == "cuda" else None)
-    max_call = args.max_call_seconds or ((0.5 if args.quick else 3.0) if device == "cuda" else (2.0 if args.quick else 30.0))
+    default_call = {("cuda", True): 0.5, ("cuda", False): 3.0, ("cpu", True): 2.0, ("cpu", False): 30.0}
+    max_call = args.max_call_seconds or default_call[(device, args.quick)]
     budget = Budget(max_seconds or None, max_call)
 
     peers = all_peers(device)
@@ -132,7 +135,8 @@ def main(argv=None) -> int:
     checks = dispatch_check(rows, picks)
     meta = {"device": device, "device_name": device_name(device), "date": date, "command": command.strip(),
             "commands": commands, "versions": versions(), "attnx_backends": attnx_backend_names(),
-            "statistic": "median of CUDA-event timings" if device == "cuda" else "min of repeated runs (median also in JSON)",
+            "statistic": ("median of CUDA-event timings" if device == "cuda"
+                          else "min of repeated runs (median also in JSON)"),
             "quick": args.quick, "seconds": round(time.monotonic() - started, 1),
             "load_average": [round(x, 2) for x in os.getloadavg()], "threads": torch.get_num_threads()}
     report.write_json(out / "results.json", meta, rows, checks, picks)

@@ -46,9 +46,17 @@ def _first_line(err: BaseException, limit: int = 240) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}"[:limit]
 
 
+def _breaks_context(err: BaseException) -> bool:
+    """Errors after which every later CUDA call in this process fails too."""
+    text = str(err).lower()
+    return any(s in text for s in ("illegal memory access", "illegal instruction", "unspecified launch failure",
+                                   "misaligned address", "device-side assert"))
+
+
 def _is_unsupported(err: BaseException) -> bool:
     text = str(err)
-    return "No available kernel" in text or "not supported" in text.lower() or isinstance(err, NotImplementedError)
+    refusals = ("No available kernel", "No viable backend", "not supported")
+    return isinstance(err, NotImplementedError) or any(r.lower() in text.lower() for r in refusals)
 
 
 def dispatcher_pick(point: Point, inputs) -> tuple[Optional[str], dict]:
@@ -66,12 +74,13 @@ class Runner:
         self.rows: list[dict] = []
         self.picks: list[dict] = []
         self._last_ok: dict = {}  # (peer, group) -> (flops, seconds) of the last measured point
+        self.context_lost: Optional[str] = None  # set after an error that poisons the CUDA context
 
     # -- one point -------------------------------------------------------------------
     def run_point(self, point: Point) -> None:
         inputs = None
         try:
-            if not self.budget.spent():
+            if not self.budget.spent() and not self.context_lost:
                 inputs = make_inputs(point, self.device, input_copies(point) if point.measure == "time" else 1)
                 chosen, reasons = dispatcher_pick(point, inputs)
             else:
@@ -87,6 +96,8 @@ class Runner:
             self._free()
 
     def _skip_reason(self, point, peer, inputs, reasons) -> Optional[str]:
+        if self.context_lost:
+            return self.context_lost
         if inputs is None or self.budget.spent():
             return "time budget spent (--max-seconds)"
         why = peer.skip_reason(point, self.device)
@@ -114,6 +125,8 @@ class Runner:
                 return {"status": "ok", "extra_bytes": self._memory(point, peer, fn, inputs)}
             timing = measure_time(fn, point, inputs, self.device, self.quick)
         except Exception as err:  # one peer's failure is a row, not the end of the run
+            if self.device == "cuda" and _breaks_context(err):
+                self.context_lost = f"CUDA context lost after {peer.name} failed at {point.label()}"
             self._free()
             status = "oom" if _is_oom(err) else ("unsupported" if _is_unsupported(err) else "error")
             return {"status": status, "note": _first_line(err)}
