@@ -111,18 +111,26 @@ def backward_variants(bf16: bool, tile: int, score_mod: bool, max_shared: int) -
     return None
 
 
-def all_variants() -> list[Variant]:
-    """Every specialisation the launcher can request, on any supported GPU."""
+# shared memory per block (bytes) of the GPU classes the kernels target: sm_80/87, sm_90/100, sm_86/89/120
+SHARED_MEMORY_CLASSES = {"sm_80": 166912, "sm_90": 232448, "sm_86": 101376}
+
+
+def requestable(max_shared: int) -> list[Variant]:
+    """Exactly the specialisations the launcher can request on a GPU with `max_shared` bytes per block."""
     found = []
     for bf16 in (False, True):
         for mod in (False, True):
             for tile in HEAD_DIM_TILES:
-                for bm, bn, w in FORWARD_TILES[tile]:
-                    found.append(Variant("fwd", bf16, tile, bm, bn, w, mod))
-                for bm, bn, w in BACKWARD_TILES[tile]:
-                    if tile <= SINGLE_PASS_BACKWARD_MAX:
-                        found.append(Variant("bwd", bf16, tile, bm, bn, w, mod, True, True))
-                    else:
-                        found.append(Variant("bwd", bf16, tile, bm, bn, w, mod, True, False))
-                        found.append(Variant("bwd", bf16, tile, bm, bn, w, mod, False, True))
+                fwd = forward_variant(bf16, tile, mod, max_shared)
+                found += [fwd] if fwd else []
+                found += list(backward_variants(bf16, tile, mod, max_shared) or ())
     return found
+
+
+def all_variants() -> list[Variant]:
+    """Every specialisation the launcher can request, on any supported GPU."""
+    seen = {}
+    for shared in SHARED_MEMORY_CLASSES.values():
+        for variant in requestable(shared):
+            seen.setdefault(variant, None)
+    return list(seen)
