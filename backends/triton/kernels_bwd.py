@@ -12,7 +12,7 @@ import triton.language as tl
 from .kernels_common import LOG2E, block_range, dot, scores
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["heads_q", "seqlen_q", "head_dim_v"])
 def bwd_preprocess(Out, dOut, Delta,
                    stride_ob, stride_oh, stride_om, stride_od,
                    stride_dob, stride_doh, stride_dom, stride_dod,
@@ -83,7 +83,7 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dmask_base
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["heads_q", "heads_kv", "group_size", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "key_offset", "window_left", "window_right", "store_dmask", "seq_bucket"])
 def bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Mask, Slopes, dMask,
              stride_qb, stride_qh, stride_qm, stride_qd,
              stride_kb, stride_kh, stride_kn, stride_kd,
@@ -206,7 +206,7 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, str
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["heads_q", "group_size", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "key_offset", "window_left", "window_right", "seq_bucket"])
 def bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Mask, Slopes,
            stride_qb, stride_qh, stride_qm, stride_qd,
            stride_kb, stride_kh, stride_kn, stride_kd,

@@ -6,6 +6,9 @@ the boundary blocks pay for positional masks. One write of out and lse at the en
 import triton
 import triton.language as tl
 
+# Sizes vary with every call: compiling a kernel per value of their "== 1" / "% 16" properties would
+# recompile for new shapes. Strides stay specialised (their divisibility gives 16-byte loads).
+
 from .kernels_common import LN2, block_range, dot, scores
 
 
@@ -57,7 +60,7 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_v
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["heads_q", "group_size", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "key_offset", "window_left", "window_right", "seq_bucket"])
 def attn_fwd(Q, K, V, Out, Lse, Mask, Slopes,
              stride_qb, stride_qh, stride_qm, stride_qd,
              stride_kb, stride_kh, stride_kn, stride_kd,
