@@ -107,6 +107,8 @@ def _print_report(report: dict) -> None:
         print("\nselftest")
         for name, result in report["selftest"].items():
             print(f"  {name:8s} {result['summary']}")
+            for failure in result["failures"]:
+                print(f"  {'':8s}   FAIL {failure}")
 
 
 def main(argv=None) -> int:
