@@ -83,7 +83,14 @@ def main():
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--peers", default="sdpa-flash,sdpa-cudnn,flex")
     ap.add_argument("--flex-seqlens", default="2048,16384")
+    ap.add_argument("--forward-stages", type=int, default=None,
+                    help="A/B only: force this many K/V buffers in the d<=128 forward tiles")
+    ap.add_argument("--modes", default="fwd,fwd+bwd")
     args = ap.parse_args()
+    if args.forward_stages:
+        tiles = importlib.import_module("attnx.backends.cuda.variants").FORWARD_TILES
+        for d in (32, 64, 96, 128):
+            tiles[d] = ((128, 64, 4, args.forward_stages),)
     impls = {"attnx-cuda": attnx_cuda, "sdpa-flash": sdpa("flash"), "sdpa-cudnn": sdpa("cudnn"), "flex": flex}
     chosen = ["attnx-cuda"] + [n for n in args.peers.split(",") if n]
     flex_seqlens = {int(s) for s in args.flex_seqlens.split(",") if s}
@@ -94,7 +101,7 @@ def main():
             gen = torch.Generator(device="cuda").manual_seed(s + d)
             q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
             for causal in (False, True):
-                for mode in ("fwd", "fwd+bwd"):
+                for mode in args.modes.split(","):
                     for name in chosen:
                         if name == "flex" and s not in flex_seqlens:
                             continue

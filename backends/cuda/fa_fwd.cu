@@ -4,11 +4,12 @@
 // softmax in registers with exp2, fp32 accumulation, one write of out and lse.
 //
 // Compile-time knobs (NVRTC -D): IS_BF16, HEAD_DIM (padded tile), BLOCK_M,
-// BLOCK_N, NUM_WARPS, SCORE_MOD (softcap and/or ALiBi present, or a scale <= 0).
+// BLOCK_N, NUM_WARPS, SCORE_MOD (softcap and/or ALiBi present, or a scale <= 0), KV_STAGES
+// (2: K/V double-buffered, loads issued a block ahead, two barriers per block instead of four).
 #include "fa_common.cuh"
 #include "fa_params.cuh"
 
-template <bool BF16, int HD, int BM, int BN, int NW, bool MOD>
+template <bool BF16, int HD, int BM, int BN, int NW, bool MOD, int STAGES>
 DEVI void attention_forward(const AttnParams& p) {
   constexpr int THREADS = NW * 32;
   constexpr int MT = BM / (16 * NW);  // 16-row m-tiles per warp
@@ -23,7 +24,8 @@ DEVI void attention_forward(const AttnParams& p) {
   extern __shared__ __align__(16) u16 smem[];
   u16* sQ = smem;
   u16* sK = sQ + BM * LD;
-  u16* sV = sK + BN * LD;
+  u16* sV = sK + STAGES * BN * LD;  // STAGES buffers each of K and V
+  static_assert(STAGES == 1 || STAGES == 2, "one or two K/V buffers");
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
@@ -81,8 +83,17 @@ DEVI void attention_forward(const AttnParams& p) {
 
   for (int nb = n_first; nb <= n_last; ++nb) {
     const int n0 = nb * BN;
+    const int stage = STAGES == 2 ? (nb - n_first) & 1 : 0;
+    const u32 sKc_a = sK_a + stage * (BN * LD * 2), sVc_a = sV_a + stage * (BN * LD * 2);
     cp_wait<1>();
     __syncthreads();  // Q and this K block are in shared memory
+    if constexpr (STAGES == 2) {
+      // the other buffers were last read in the previous iteration, before the barrier above
+      if (nb < n_last) load_tile<BN, HD, THREADS>(sK + (stage ^ 1) * BN * LD, k, p.k_rs, n0 + BN, Sk, p.head_dim, tid);
+      cp_commit();
+      if (nb < n_last) load_tile<BN, HD, THREADS>(sV + (stage ^ 1) * BN * LD, v, p.v_rs, n0 + BN, Sk, p.head_dim_v, tid);
+      cp_commit();
+    }
 
     float s[MT][NT][4];
 #pragma unroll
@@ -116,7 +127,7 @@ DEVI void attention_forward(const AttnParams& p) {
 #pragma unroll
       for (int np = 0; np < NT / 2; ++np) {
         u32 bf[4];
-        ldsm_x4(bf, (sK_a + 2 * ((np * 16 + bn_row) * LD + ks * 16 + bn_col)));
+        ldsm_x4(bf, (sKc_a + 2 * ((np * 16 + bn_row) * LD + ks * 16 + bn_col)));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma16816<BF16>(s[mt][2 * np], a[mt], bf[0], bf[1]);
@@ -124,9 +135,11 @@ DEVI void attention_forward(const AttnParams& p) {
         }
       }
     }
-    __syncthreads();  // every warp is done with this K block
-    if (nb < n_last) load_tile<BN, HD, THREADS>(sK, k, p.k_rs, n0 + BN, Sk, p.head_dim, tid);
-    cp_commit();
+    if constexpr (STAGES == 1) {
+      __syncthreads();  // every warp is done with this K block
+      if (nb < n_last) load_tile<BN, HD, THREADS>(sK, k, p.k_rs, n0 + BN, Sk, p.head_dim, tid);
+      cp_commit();
+    }
 
     // Scores: raw q.k (no score mod: the scale is folded into exp2 below) or, with softcap /
     // ALiBi, the modified score in log2 units. Tiles wholly inside the window skip the mask.
@@ -197,7 +210,7 @@ DEVI void attention_forward(const AttnParams& p) {
           for (int i = 0; i < 4; ++i) acc[mt][dt][i] *= alphas[mt][i >> 1];
     }
 
-    cp_wait<1>();
+    cp_wait<STAGES == 2 ? 2 : 1>();
     __syncthreads();  // this V block is in shared memory
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
@@ -212,7 +225,7 @@ DEVI void attention_forward(const AttnParams& p) {
 #pragma unroll
       for (int dp = 0; dp < DT / 2; ++dp) {
         u32 bf[4];
-        ldsm_x4_t(bf, (sV_a + 2 * ((kk * 16 + bt_row) * LD + dp * 16 + bt_col)));
+        ldsm_x4_t(bf, (sVc_a + 2 * ((kk * 16 + bt_row) * LD + dp * 16 + bt_col)));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma16816<BF16>(acc[mt][2 * dp], a[mt], bf[0], bf[1]);
@@ -220,9 +233,11 @@ DEVI void attention_forward(const AttnParams& p) {
         }
       }
     }
-    __syncthreads();  // every warp is done with this V block
-    if (nb < n_last) load_tile<BN, HD, THREADS>(sV, v, p.v_rs, n0 + BN, Sk, p.head_dim_v, tid);
-    cp_commit();
+    if constexpr (STAGES == 1) {
+      __syncthreads();  // every warp is done with this V block
+      if (nb < n_last) load_tile<BN, HD, THREADS>(sV, v, p.v_rs, n0 + BN, Sk, p.head_dim_v, tid);
+      cp_commit();
+    }
   }
 
   cp_wait<0>();
@@ -251,5 +266,5 @@ DEVI void attention_forward(const AttnParams& p) {
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32) attnx_fwd(const AttnParams p) {
-  attention_forward<IS_BF16 != 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, SCORE_MOD != 0>(p);
+  attention_forward<IS_BF16 != 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, SCORE_MOD != 0, KV_STAGES>(p);
 }

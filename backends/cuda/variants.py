@@ -28,6 +28,7 @@ class Variant(NamedTuple):
     score_mod: bool    # softcap and/or ALiBi
     do_dv: bool = True
     do_dk: bool = True
+    stages: int = 1    # fwd: K/V buffers in shared memory
 
     @property
     def threads(self) -> int:
@@ -46,12 +47,14 @@ class Variant(NamedTuple):
              "BLOCK_N": self.block_n, "NUM_WARPS": self.warps, "SCORE_MOD": int(self.score_mod)}
         if self.kernel == "bwd":
             d.update(DO_DV=int(self.do_dv), DO_DK=int(self.do_dk))
+        else:
+            d.update(KV_STAGES=self.stages)
         return tuple(f"-D{k}={v}" for k, v in d.items())
 
     def shared_bytes(self) -> int:
         ld = self.head_dim + 8
         if self.kernel == "fwd":
-            return (self.block_m + 2 * self.block_n) * ld * 2
+            return (self.block_m + 2 * self.stages * self.block_n) * ld * 2
         return ((2 * self.block_n + 4 * self.block_m) * ld * 2 + self.block_n * (self.block_m + 8) * 2
                 + 4 * 4 * self.block_m)
 
@@ -59,18 +62,19 @@ class Variant(NamedTuple):
         flags = ("bf16" if self.bf16 else "fp16") + ("+mod" if self.score_mod else "")
         if self.kernel == "bwd" and not (self.do_dv and self.do_dk):
             flags += "+dv" if self.do_dv else "+dk"
-        return f"{self.kernel} d{self.head_dim} {self.block_m}x{self.block_n} w{self.warps} {flags}"
+        stages = f" s{self.stages}" if self.kernel == "fwd" else ""
+        return f"{self.kernel} d{self.head_dim} {self.block_m}x{self.block_n} w{self.warps}{stages} {flags}"
 
 
-# (block_m, block_n, warps), best first; the first that fits the device's shared memory is used
+# (block_m, block_n, warps, K/V stages), best first; the first that fits the device's shared memory is used
 FORWARD_TILES = {
-    32: ((128, 64, 4),),
-    64: ((128, 64, 4),),
-    96: ((128, 64, 4),),
-    128: ((128, 64, 4),),
-    160: ((128, 64, 8),),
-    192: ((128, 64, 8), (64, 64, 4)),
-    256: ((128, 64, 8), (64, 32, 4)),
+    32: ((128, 64, 4, 2), (128, 64, 4, 1)),
+    64: ((128, 64, 4, 2), (128, 64, 4, 1)),
+    96: ((128, 64, 4, 2), (128, 64, 4, 1)),
+    128: ((128, 64, 4, 2), (128, 64, 4, 1)),
+    160: ((128, 64, 8, 1),),
+    192: ((128, 64, 8, 1), (64, 64, 4, 1)),
+    256: ((128, 64, 8, 1), (64, 32, 4, 1)),
 }
 # (block_m = queries per step, block_n = keys per block = 16 * warps, warps)
 BACKWARD_TILES = {
@@ -91,9 +95,10 @@ def head_dim_tile(head_dim: int, head_dim_v: int) -> int | None:
 
 
 def forward_variant(bf16: bool, tile: int, score_mod: bool, max_shared: int) -> Variant | None:
-    for bm, bn, w in FORWARD_TILES[tile]:
-        v = Variant("fwd", bf16, tile, bm, bn, w, score_mod)
-        if v.shared_bytes() <= max_shared:
+    for bm, bn, w, stages in FORWARD_TILES[tile]:
+        v = Variant("fwd", bf16, tile, bm, bn, w, score_mod, stages=stages)
+        # double buffering only where two blocks still fit on a multiprocessor
+        if v.shared_bytes() <= max_shared and (stages == 1 or 2 * v.shared_bytes() <= max_shared):
             return v
     return None
 
