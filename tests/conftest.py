@@ -1,4 +1,8 @@
-"""Shared fixtures: a registry restored after each test, spy backends that record what ran."""
+"""Shared fixtures: a registry restored after each test, spy backends that record what ran.
+
+Helpers are handed out as fixtures (`make_spy`, `qkv`), not imported: tests/ and conformance/
+both have a conftest.py, so `from conftest import ...` would depend on collection order.
+"""
 from __future__ import annotations
 
 import pytest
@@ -32,10 +36,16 @@ class SpyBackend(attnx.Backend):
         return result, lse.float()
 
 
-def make_spy(name="spy", **declarations):
+def _make_spy(name="spy", **declarations):
     """A SpyBackend subclass instance named `name` with class attributes overridden."""
     cls = type(f"Spy_{name}", (SpyBackend,), {"name": name, **declarations})
     return cls()
+
+
+@pytest.fixture
+def make_spy():
+    """Factory: ``make_spy(name="spy", **class_attributes)`` -> an unregistered SpyBackend instance."""
+    return _make_spy
 
 
 @pytest.fixture
@@ -66,7 +76,7 @@ def ran(clean_registry, monkeypatch):
     return calls
 
 
-def qkv(b=1, hq=2, hkv=2, sq=8, sk=8, d=16, dv=None, dtype=torch.float32, layout="bhsd", requires_grad=False,
+def _qkv(b=1, hq=2, hkv=2, sq=8, sk=8, d=16, dv=None, dtype=torch.float32, layout="bhsd", requires_grad=False,
         device="cpu"):
     """Small random q, k, v in `layout`."""
     def shape(h, s, dim):
@@ -76,3 +86,9 @@ def qkv(b=1, hq=2, hkv=2, sq=8, sk=8, d=16, dv=None, dtype=torch.float32, layout
                torch.randn(shape(hkv, sk, d), dtype=dtype, device=device),
                torch.randn(shape(hkv, sk, dv or d), dtype=dtype, device=device)]
     return [t.requires_grad_(requires_grad) for t in tensors]
+
+
+@pytest.fixture
+def qkv():
+    """Factory: ``qkv(b, hq, hkv, sq, sk, d, dv, dtype, layout, requires_grad)`` -> small random q, k, v."""
+    return _qkv

@@ -6,7 +6,6 @@ import torch
 
 import attnx
 from attnx.reference import attention_reference
-from conftest import qkv
 
 
 def _backends_with_backward() -> list[str]:
@@ -54,7 +53,7 @@ def _make_mask(tag, bhs, sk, dtype):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)], ids=["f64", "f32"])
 @pytest.mark.parametrize("shape_kw, call_kw", [pytest.param(s, c, id=i) for i, s, c in CASES])
-def test_gradients_match_float64_reference(backend, dtype, tol, shape_kw, call_kw):
+def test_gradients_match_float64_reference(backend, dtype, tol, shape_kw, call_kw, qkv):
     torch.manual_seed(0)
     layout = shape_kw.get("layout", "bhsd")
     q, k, v = qkv(dtype=dtype, requires_grad=True, **shape_kw)
@@ -89,7 +88,7 @@ def test_gradients_match_float64_reference(backend, dtype, tol, shape_kw, call_k
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_gradcheck(backend):
+def test_gradcheck(backend, qkv):
     torch.manual_seed(1)
     q, k, v = qkv(hq=2, hkv=1, sq=3, sk=5, d=4, dtype=torch.float64, requires_grad=True)
     mask = torch.randn(1, 1, 3, 5, dtype=torch.float64, requires_grad=True)
@@ -101,14 +100,14 @@ def test_gradcheck(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_only_mask_requires_grad(backend):
+def test_only_mask_requires_grad(backend, qkv):
     q, k, v = qkv(dtype=torch.float64)
     mask = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
     attnx.attention(q, k, v, mask=mask, backend=backend).sum().backward()
     assert mask.grad is not None and mask.grad.shape == (8, 8) and torch.isfinite(mask.grad).all()
 
 
-def test_no_grad_mode_skips_autograd():
+def test_no_grad_mode_skips_autograd(qkv):
     q, k, v = qkv(requires_grad=True)
     with torch.no_grad():
         out = attnx.attention(q, k, v)

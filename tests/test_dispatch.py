@@ -6,12 +6,11 @@ import torch
 
 import attnx
 from attnx import dispatch
-from conftest import make_spy, qkv
 
 F64_ONLY = {"dtypes": frozenset({torch.float64})}
 
 
-def test_explain_reports_chosen_and_every_backend(clean_registry):
+def test_explain_reports_chosen_and_every_backend(clean_registry, make_spy, qkv):
     attnx.register_backend(make_spy("declines", **F64_ONLY))
     q, k, v = qkv()
     decision = attnx.explain(q, k, v, causal=True)
@@ -25,7 +24,7 @@ def test_explain_reports_chosen_and_every_backend(clean_registry):
     assert decision.problem.causal and decision.problem.window_right == 0
 
 
-def test_explain_with_forced_backend(clean_registry):
+def test_explain_with_forced_backend(clean_registry, make_spy, qkv):
     q, k, v = qkv()
     assert attnx.explain(q, k, v, backend="naive").chosen == "naive"
     attnx.register_backend(make_spy("declines", **F64_ONLY))
@@ -35,7 +34,7 @@ def test_explain_with_forced_backend(clean_registry):
         attnx.explain(q, k, v, backend="no-such-backend")
 
 
-def test_forcing_a_declining_backend_lists_its_reasons(clean_registry):
+def test_forcing_a_declining_backend_lists_its_reasons(clean_registry, make_spy, qkv):
     attnx.register_backend(make_spy("declines", **F64_ONLY))
     q, k, v = qkv()
     with pytest.raises(attnx.NoBackendError) as info:
@@ -46,7 +45,7 @@ def test_forcing_a_declining_backend_lists_its_reasons(clean_registry):
         attnx.attention(q, k, v)
 
 
-def test_no_backend_accepts_lists_every_reason(clean_registry):
+def test_no_backend_accepts_lists_every_reason(clean_registry, make_spy, qkv):
     clean_registry.clear()
     attnx.register_backend(make_spy("only64", **F64_ONLY))
     attnx.register_backend(make_spy("nogqa", supports_gqa=False))
@@ -60,7 +59,7 @@ def test_no_backend_accepts_lists_every_reason(clean_registry):
     assert set(info.value.reasons) == {"only64", "nogqa"}
 
 
-def test_use_backend_restricts_nests_and_restores(ran):
+def test_use_backend_restricts_nests_and_restores(ran, qkv):
     q, k, v = qkv()
     attnx.attention(q, k, v)
     default = ran.pop()[0]
@@ -89,7 +88,7 @@ def test_use_backend_restores_after_exception(ran):
 
 
 @pytest.mark.parametrize("names", ["naive,spy", ["naive", "spy"], ("spy", "naive")])
-def test_use_backend_accepts_lists(names, clean_registry):
+def test_use_backend_accepts_lists(names, clean_registry, make_spy, qkv):
     spy = attnx.register_backend(make_spy())
     q, k, v = qkv()
     with attnx.use_backend(names):
@@ -100,7 +99,7 @@ def test_use_backend_accepts_lists(names, clean_registry):
     assert "forward" not in spy.calls
 
 
-def test_use_backend_restriction_to_a_declining_backend(clean_registry):
+def test_use_backend_restriction_to_a_declining_backend(clean_registry, make_spy, qkv):
     attnx.register_backend(make_spy("declines", **F64_ONLY))
     q, k, v = qkv()
     with attnx.use_backend("declines"):
@@ -109,7 +108,7 @@ def test_use_backend_restriction_to_a_declining_backend(clean_registry):
         attnx.attention(*(t.double() for t in (q, k, v)))  # accepted in float64
 
 
-def test_env_variable_restricts(monkeypatch, ran):
+def test_env_variable_restricts(monkeypatch, ran, qkv):
     q, k, v = qkv()
     attnx.attention(q, k, v)
     default = ran.pop()[0]
@@ -126,7 +125,7 @@ def test_env_variable_restricts(monkeypatch, ran):
     assert ran.pop() == (default, "forward")
 
 
-def test_forced_backend_beats_use_backend(ran):
+def test_forced_backend_beats_use_backend(ran, qkv):
     q, k, v = qkv()
     with attnx.use_backend("naive"):
         if "blocked" in attnx.backends():
@@ -134,7 +133,7 @@ def test_forced_backend_beats_use_backend(ran):
             assert ran.pop() == ("blocked", "forward")
 
 
-def test_decision_is_cached_on_the_problem(clean_registry):
+def test_decision_is_cached_on_the_problem(clean_registry, make_spy, qkv):
     spy = attnx.register_backend(make_spy())
     q, k, v = qkv()
     p = attnx.make_problem(q, k, v)
@@ -151,7 +150,7 @@ def test_decision_is_cached_on_the_problem(clean_registry):
     assert spy.calls.count("reasons") == decisions + 1
 
 
-def test_register_backend_clears_the_cache(clean_registry):
+def test_register_backend_clears_the_cache(clean_registry, make_spy, qkv):
     q, k, v = qkv()
     p = attnx.make_problem(q, k, v)
     before = dispatch.choose(p)
@@ -159,7 +158,7 @@ def test_register_backend_clears_the_cache(clean_registry):
     assert dispatch.choose(p) is replacement
 
 
-def test_priority_prefers_naive_for_small_cpu_problems():
+def test_priority_prefers_naive_for_small_cpu_problems(qkv):
     q, k, v = qkv()
     small = attnx.make_problem(q, k, v)
     big = small._replace(seqlen_q=4096, seqlen_k=4096)
@@ -180,7 +179,7 @@ def test_list_backends():
     assert naive["available"] and naive["reasons"] == []
 
 
-def test_unavailable_backend_says_how_to_install(clean_registry):
+def test_unavailable_backend_says_how_to_install(clean_registry, make_spy, qkv):
     missing = attnx.register_backend(make_spy("needs_pkg", required_modules=("attnx_no_such_module",),
                                               install_hint="pip install attnx-no-such-module"))
     assert not missing.available

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import attnx
-from conftest import make_spy, qkv
 
 B, HQ, HKV, SQ, SK, D = 2, 4, 2, 5, 7, 8
 
@@ -117,7 +116,7 @@ def test_explain_validates_the_same(call, error, words, ran):
     assert ran == []
 
 
-def test_forced_spy_backend_never_runs_on_bad_input(clean_registry):
+def test_forced_spy_backend_never_runs_on_bad_input(clean_registry, make_spy):
     spy = attnx.register_backend(make_spy())
     q, k, v = _good()
     with pytest.raises(ValueError, match="`window`"):
@@ -138,7 +137,7 @@ def test_use_backend_unknown_names(names, error, ran):
     assert ran == []
 
 
-def test_env_unknown_backend(monkeypatch, ran):
+def test_env_unknown_backend(monkeypatch, ran, qkv):
     monkeypatch.setenv("ATTNX_BACKEND", "no-such-backend")
     q, k, v = qkv()
     with pytest.raises(ValueError, match="ATTNX_BACKEND"):
@@ -146,7 +145,7 @@ def test_env_unknown_backend(monkeypatch, ran):
     assert ran == []
 
 
-def test_register_backend_type_checked(clean_registry):
+def test_register_backend_type_checked(clean_registry, make_spy):
     with pytest.raises(TypeError, match="`backend`"):
         attnx.register_backend("naive")
     with pytest.raises(ValueError, match="name"):
