@@ -121,6 +121,7 @@ def main():
     parser.add_argument("--modes", default="fwd,fwd+bwd")
     parser.add_argument("--peers", default="triton,sdpa-flash,sdpa-efficient,sdpa-cudnn,flex")
     parser.add_argument("--flex-seqlens", default=None, help="FlexAttention only at these S (compiles per shape)")
+    parser.add_argument("--flex-dims", default=None, help="FlexAttention only at these head dims")
     parser.add_argument("--causal", default="0,1")
     args = parser.parse_args()
 
@@ -128,6 +129,7 @@ def main():
            "sdpa-cudnn": sdpa_fn("cudnn"), "flex": flex_fn}
     peers = args.peers.split(",")
     flex_seqlens = None if args.flex_seqlens is None else {int(s) for s in args.flex_seqlens.split(",")}
+    flex_dims = None if args.flex_dims is None else {int(x) for x in args.flex_dims.split(",")}
     rows = []
     for d in (int(x) for x in args.dims.split(",")):
         h = HIDDEN // d
@@ -139,7 +141,8 @@ def main():
                 for mode in args.modes.split(","):
                     row = {"d": d, "causal": causal, "s": s, "b": b, "h": h, "mode": mode}
                     for name in peers:
-                        if name == "flex" and flex_seqlens is not None and s not in flex_seqlens:
+                        if name == "flex" and ((flex_seqlens is not None and s not in flex_seqlens)
+                                               or (flex_dims is not None and d not in flex_dims)):
                             continue
                         try:
                             ms = bench(fns[name], q, k, v, causal, mode)
