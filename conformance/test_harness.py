@@ -1,0 +1,148 @@
+"""The conformance suite checks itself: the grid follows declarations, and broken backends fail.
+
+Cheap: a few cases per broken backend, so the default CI run keeps the suite honest.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import attnx
+from attnx import dispatch, registry
+from attnx.conformance import Case, declared_reasons, generate_cases, run_case
+from attnx.conformance.cases import HEAD_DIMS
+from attnx.conformance.report import write_reports
+
+NaiveBackend = type(attnx.get_backend("naive"))
+
+
+@pytest.fixture
+def register():
+    """Register backend instances for one test; the registry is restored afterwards."""
+    saved = dict(registry.backends())
+    yield attnx.register_backend
+    registry._BACKENDS.clear()
+    registry._BACKENDS.update(saved)
+    dispatch.clear_cache()
+
+
+def _variant(name, **attributes):
+    return type(f"Variant_{name}", (NaiveBackend,), {"name": name, **attributes})()
+
+
+def _make_problem_of(case: Case):
+    from attnx.conformance.inputs import make_inputs
+
+    inputs, _ = make_inputs(case, "cpu")
+    views = inputs.views
+    return attnx.make_problem(views["q"], views["k"], views["v"], causal=case.causal, window=case.window,
+                              mask=views.get("mask"), scale=inputs.scale, softcap=case.softcap,
+                              alibi_slopes=inputs.alibi_slopes, layout=case.layout)
+
+
+def test_grid_follows_declarations():
+    narrow = _variant("narrow", dtypes=frozenset({torch.float16, torch.float64}), head_dims=frozenset({64, 128}),
+                      supports_gqa=False, supports_window=False, mask_kinds=frozenset({"bool"}),
+                      supports_alibi=False, supports_softcap=False, supports_dv_differs=False)
+    cases = generate_cases(narrow, "quick")
+    assert cases
+    for case in cases:
+        assert declared_reasons(narrow, case) == [], case.id
+        assert narrow.reasons(_make_problem_of(case)) == [], case.id
+    assert {c.dtype for c in cases} == {"float16", "float64"}
+    assert {c.head_dim for c in cases} == {64, 128}
+    assert any(c.causal for c in cases) and any(c.mask == "bool" for c in cases)
+    no_backward = _variant("fwd_only", supports_backward=False)
+    assert generate_cases(no_backward, "quick") and not any(c.grad for c in generate_cases(no_backward, "quick"))
+
+
+def test_quick_profile_touches_every_axis_value():
+    cases = generate_cases(attnx.get_backend("naive"), "quick")
+    seen = lambda attr: {getattr(c, attr) for c in cases}  # noqa: E731
+    assert seen("dtype") == {"float16", "bfloat16", "float32", "float64"}
+    assert seen("head_dim") >= set(HEAD_DIMS)
+    sizes = seen("seqlen_q") | seen("seqlen_k")
+    assert sizes >= {1, 17, 127, 128, 1000}
+    assert any(c.seqlen_q < c.seqlen_k for c in cases) and any(c.seqlen_q > c.seqlen_k for c in cases)
+    assert {c.heads_q // c.heads_kv for c in cases} >= {1, 2, 4} and any(c.heads_kv == 1 < c.heads_q for c in cases)
+    windows = seen("window")
+    for side in (0, 1):
+        assert {w[side] if w else None for w in windows} >= {None, 0, 7}
+    assert any(c.causal for c in cases)
+    assert {(c.mask, c.mask_shape) for c in cases if c.mask} >= {(k, s) for k in ("bool", "additive")
+                                                                  for s in ("full", "heads", "keys", "2d")}
+    assert seen("alibi") >= {"h", "bh"} and any(c.softcap for c in cases)
+    assert seen("layout") == {"bhsd", "bshd"}
+    assert seen("memory") == {"contiguous", "sliced", "transposed", "strided", "expanded"}
+    assert any(c.masked_rows for c in cases) and any(c.large_logits for c in cases)
+    assert any(c.head_dim != c.head_dim_v for c in cases)
+    assert seen("grad") == {True, False} and any(c.mask_grad for c in cases)
+    assert len({c.key for c in cases}) == len(cases)
+
+
+def _broken_lse(self, p, *args):
+    out, lse = NaiveBackend.forward(self, p, *args)
+    return out, lse + 1e-2
+
+
+def _nan_rows(self, p, *args):
+    out, lse = NaiveBackend.forward(self, p, *args)
+    out[torch.isneginf(lse)] = float("nan")
+    return out, lse
+
+
+def _bad_gqa_dk(self, p, *args):
+    dq, dk, dv, dmask = NaiveBackend.backward(self, p, *args)
+    return dq, dk * (0.9 if p.heads_q != p.heads_kv else 1.0), dv, dmask
+
+
+def _half_unwritten(self, p, q, *args):
+    out, lse = NaiveBackend.forward(self, p, q, *args)
+    result = attnx.alloc_out(p, q)
+    result[:, :, : p.seqlen_q // 2] = out[:, :, : p.seqlen_q // 2]
+    result[:, :, p.seqlen_q // 2:] = 0
+    return result, lse
+
+
+BASE = Case("t", "float32", 1, 2, 2, 9, 13, 16, 16)
+BROKEN = [
+    ("lse", {"forward": _broken_lse}, BASE, "lse error"),
+    ("nan-rows", {"forward": _nan_rows}, Case("t", "float16", 1, 2, 2, 13, 9, 16, 16, causal=True, masked_rows=True),
+     "out error inf"),
+    ("gqa-dk", {"backward": _bad_gqa_dk}, Case("t", "bfloat16", 1, 4, 1, 9, 13, 16, 16), "dk error"),
+    ("unwritten", {"forward": _half_unwritten}, Case("t", "float64", 1, 2, 2, 8, 8, 16, 16, layout="bshd"), "out error"),
+]
+
+
+@pytest.mark.parametrize("methods, case, message", [pytest.param(m, c, w, id=i) for i, m, c, w in BROKEN])
+def test_broken_backends_fail(methods, case, message, register):
+    name = "broken"
+    register(type("Broken", (NaiveBackend,), {"name": name, **methods})())
+    result = run_case(name, case, "cpu")
+    assert result.status == "fail" and any(message in f for f in result.failures), result.summary()
+    assert run_case("naive", case, "cpu").status == "pass"
+
+
+def test_extra_reasons_decline_is_a_failure_unless_allowed(register):
+    register(_variant("picky", extra_reasons=lambda self, p: ["odd Sq"] if p.seqlen_q % 2 else []))
+    result = run_case("picky", BASE, "cpu")
+    assert result.status == "fail" and "declined a case its declarations support" in result.failures[0]
+    result = run_case("picky", BASE, "cpu", allow_extra_declines=True)
+    assert result.status == "declined" and result.reasons == ["odd Sq"]
+
+
+def test_crash_is_a_failure_and_reports_are_written(register, tmp_path):
+    def crash(self, p, *args):
+        raise RuntimeError("kernel exploded")
+
+    register(_variant("crashes", forward=crash))
+    results = [run_case("crashes", BASE, "cpu"), run_case("naive", BASE, "cpu")]
+    assert results[0].status == "fail" and "kernel exploded" in results[0].failures[0]
+    md, js = write_reports(results, tmp_path / "rep", {"backend": "x", "profile": "quick", "device": "cpu",
+                                                      "seconds": 1.0, "torch": torch.__version__})
+    payload = json.loads(js.read_text())
+    assert payload["summary"] == {"cases": 2, "pass": 1, "fail": 1, "declined": 0}
+    assert payload["results"][1]["errors"]["out"] <= payload["results"][1]["bounds"]["out"]
+    assert "kernel exploded" in md.read_text()
