@@ -79,6 +79,11 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 with --quick, which is a smoke test)")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--rebuild", type=Path, metavar="DIR",
+                        help="measure nothing: rewrite DIR's results.md, dispatcher check and plots from its JSON")
+    parser.add_argument("--repick", action="store_true",
+                        help="with --rebuild: ask the current dispatcher again for its pick at every point "
+                             "(run on the device the results came from)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch sees no CUDA device")
@@ -96,8 +101,40 @@ def _merge_previous(json_path: Path, names: list[str]) -> tuple[list, list, dict
     return keep, picks, commands
 
 
+def repick(picks: list[dict], device: str) -> list[dict]:
+    """The dispatcher's pick for each point again, as the current attnx would decide it."""
+    fresh = []
+    for pick in picks:
+        point = settings.Point(**{k: pick[k] for k in settings.Point.__dataclass_fields__})
+        def shaped(heads, seqlen):  # zero-stride views: make_problem needs shapes, not memory
+            one = torch.zeros((), dtype=point.torch_dtype, device=device)
+            tensor = one.expand(point.batch, heads, seqlen, point.head_dim)
+            return tensor.requires_grad_() if point.mode == "fwd+bwd" else tensor
+        q, k, v = (shaped(point.heads_q, point.seqlen_q), shaped(point.heads_kv, point.seqlen_k),
+                   shaped(point.heads_kv, point.seqlen_k))
+        with torch.enable_grad():
+            fresh.append({**pick, "picked": attnx.explain(q, k, v, causal=point.causal).chosen})
+    return fresh
+
+
+def rebuild(folder: Path, with_plots=True, refresh_picks=False) -> int:
+    """Rewrite results.md, the dispatcher check and the plots of `folder` from its results.json."""
+    data = json.loads((folder / "results.json").read_text())
+    rows, picks, meta = data["rows"], data["picks"], data["meta"]
+    if refresh_picks:
+        picks = repick(picks, meta["device"])
+    checks = dispatch_check(rows, picks)
+    report.write_json(folder / "results.json", meta, rows, checks, picks)
+    plot_paths = plots.make_plots(rows, folder, meta["device_name"]) if with_plots else []
+    (folder / "results.md").write_text(report.markdown(meta, rows, checks, picks, [str(p) for p in plot_paths]))
+    print(report.console_table(rows, checks))
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.rebuild:
+        return rebuild(args.rebuild, not args.no_plots, args.repick)
     device = args.device
     threads = args.threads or (1 if args.quick else None)
     if threads:
