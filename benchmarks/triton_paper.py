@@ -151,6 +151,8 @@ def main():
                             row[name] = None
                             row[name + "_error"] = f"{type(err).__name__}: {str(err)[:120]}"
                     rows.append(row)
+                    if args.out:  # keep what is measured even if the run is cut short
+                        Path(args.out).with_suffix(".partial.json").write_text(json.dumps(rows, indent=1))
                     print(" ".join(f"{key}={val}" for key, val in row.items() if not key.endswith("_error")), flush=True)
     memory = {}
     for name in ("triton", "sdpa-flash"):
