@@ -146,3 +146,14 @@ def test_crash_is_a_failure_and_reports_are_written(register, tmp_path):
     assert payload["summary"] == {"cases": 2, "pass": 1, "fail": 1, "declined": 0}
     assert payload["results"][1]["errors"]["out"] <= payload["results"][1]["bounds"]["out"]
     assert "kernel exploded" in md.read_text()
+
+
+def test_nondeterminism_is_caught_when_declared_deterministic(register):
+    def noisy(self, p, *args):
+        out, lse = NaiveBackend.forward(self, p, *args)
+        return out + torch.rand(()).item() * 1e-12, lse
+
+    register(_variant("noisy", forward=noisy))
+    case = Case("base", "float64", 1, 2, 2, 9, 13, 16, 16)
+    result = run_case("noisy", case, "cpu")
+    assert result.status == "fail" and any("differs between two runs" in f for f in result.failures)

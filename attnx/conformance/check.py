@@ -17,6 +17,8 @@ from .cases import Case
 from .inputs import make_inputs
 
 GRAD_NAMES = ("q", "k", "v", "mask")
+# groups where a backend declaring `deterministic = True` is also run twice and compared bit for bit
+DETERMINISM_GROUPS = ("base", "gqa", "mask_grad")
 
 
 @dataclass
@@ -140,6 +142,8 @@ def _run(result: Result, backend_name: str, case: Case, device, allow_extra_decl
         out.backward(inputs.dout)
         grads = {n: views[n].grad for n in GRAD_NAMES if n in views and views[n].requires_grad}
     _check_layout(result, case, p, out, lse, grads, views, device)
+    if backend.deterministic and case.group in DETERMINISM_GROUPS:
+        _check_deterministic(result, backend_name, case, device, kwargs, out, lse, grads)
     for name, leaf in inputs.leaves.items():
         if not torch.equal(leaf.detach(), snapshot[name]):
             result.fail(f"input {name} was modified")
@@ -166,6 +170,22 @@ def _run(result: Result, backend_name: str, case: Case, device, allow_extra_decl
         if not err <= b:
             result.fail(f"{name} error {err:.3g} > bound {b:.3g}")
     _check_dead_rows(result, case, out, lse, grads, ref_lse)
+
+
+def _check_deterministic(result: Result, backend_name: str, case: Case, device, kwargs, out, lse, grads) -> None:
+    """A second run on fresh copies of the same inputs must give bitwise equal results."""
+    again, _ = make_inputs(case, device)
+    views = again.views
+    kwargs = _call_kwargs(case, views, again.alibi_slopes, again.scale)
+    out2, lse2 = attnx.attention(views["q"], views["k"], views["v"], **kwargs, backend=backend_name,
+                                 return_lse=True)
+    pairs = {"out": (out, out2), "lse": (lse, lse2)}
+    if case.grad:
+        out2.backward(again.dout)
+        pairs.update({f"d{n}": (g, views[n].grad) for n, g in grads.items()})
+    for name, (first, second) in pairs.items():
+        if second is None or not torch.equal(torch.nan_to_num(first), torch.nan_to_num(second)):
+            result.fail(f"{name} differs between two runs (the backend declares deterministic = True)")
 
 
 def _check_layout(result: Result, case: Case, p, out, lse, grads: dict, views: dict, device) -> None:
