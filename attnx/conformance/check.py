@@ -104,6 +104,8 @@ def declined_reasons_kind(backend, p) -> str:
 def run_case(backend_name: str, case: Case, device, *, allow_extra_declines: bool = False) -> Result:
     """Run `case` on `backend_name` on `device`; never raises for a backend's failure."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # outputs report cuda:N; compare like with like
+        device = torch.device("cuda", torch.cuda.current_device())
     result = Result(case, backend_name, str(device))
     start = time.perf_counter()
     try:
