@@ -49,7 +49,8 @@ def _memory_view(case: Case, shape: tuple, draw: Callable) -> tuple[torch.Tensor
 
 def _mask_shape(case: Case) -> tuple:
     b, h, sq, sk = case.batch, case.heads_q, case.seqlen_q, case.seqlen_k
-    return {"full": (b, h, sq, sk), "heads": (1, h, sq, sk), "keys": (b, 1, 1, sk), "2d": (sq, sk)}[case.mask_shape]
+    return {"full": (b, h, sq, sk), "heads": (1, h, sq, sk), "keys": (b, 1, 1, sk), "2d": (sq, sk),
+            "1d": (sk,)}[case.mask_shape]
 
 
 def _make_mask(case: Case, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
@@ -61,8 +62,10 @@ def _make_mask(case: Case, gen: torch.Generator, dtype: torch.dtype) -> torch.Te
         mask[torch.rand(shape, generator=gen) < 0.05] = float("-inf")   # some padding-style -inf entries
     if case.masked_rows:
         blocked = False if case.mask == "bool" else float("-inf")
-        if case.mask_shape == "keys":
-            mask[0] = blocked                         # batch 0 sees no key
+        if case.mask_shape in ("keys", "1d"):
+            mask[0] = blocked                         # batch 0 (every query, for 1d) sees no key
+            if case.mask_shape == "1d":
+                mask[:] = blocked
         else:
             rows = mask.reshape(-1, shape[-2], shape[-1])
             pick = torch.rand(rows.shape[:2], generator=gen) < 0.25
