@@ -6,6 +6,7 @@ itself: K and V are never repeated.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -13,6 +14,8 @@ import torch
 
 from attnx.problem import Problem
 from attnx.reference import accumulation_dtype
+
+LOG2E = math.log2(math.e)
 
 
 def batched_kv(t: torch.Tensor, batch_heads: int, dtype) -> torch.Tensor:
@@ -33,7 +36,7 @@ class Operands:
     v: torch.Tensor                    # (B*Hkv, Sk, Dv) in acc
     q5: torch.Tensor                   # (B, Hkv, G, Sq, D) view of the caller's q
     mask5: Optional[torch.Tensor]      # (B, Hkv, G, Sq, Sk) view of the expanded mask
-    neg_slopes: Optional[torch.Tensor]  # (B*Hkv, G, 1, 1) -alibi slope in acc
+    neg_slopes: Optional[torch.Tensor]  # (B*Hkv, G, 1, 1) -alibi slope * log2(e) in acc
 
     @property
     def batch_heads(self) -> int:
@@ -56,8 +59,8 @@ class Operands:
         return dense.view(b * hkv, g * rows, width)
 
     def q_tile(self, i0: int, i1: int) -> torch.Tensor:
-        """Scaled query rows ``[i0, i1)``: ``(B*Hkv, G*rows, D)`` in acc."""
-        return self.rows(self.q5[:, :, :, i0:i1], self.p.scale)
+        """Query rows ``[i0, i1)`` times ``scale * log2(e)``: ``(B*Hkv, G*rows, D)`` in acc."""
+        return self.rows(self.q5[:, :, :, i0:i1], self.p.scale * LOG2E)
 
 
 def prepare(p: Problem, q, k, v, mask, alibi_slopes) -> Operands:
@@ -66,7 +69,7 @@ def prepare(p: Problem, q, k, v, mask, alibi_slopes) -> Operands:
     split = (p.heads_kv, p.group_size)
     neg_slopes = None
     if alibi_slopes is not None:
-        neg_slopes = (-alibi_slopes.to(acc)).reshape(batch_heads, p.group_size, 1, 1)
+        neg_slopes = (alibi_slopes.to(acc) * -LOG2E).reshape(batch_heads, p.group_size, 1, 1)
     return Operands(
         p=p, acc=acc,
         k=batched_kv(k, batch_heads, acc), v=batched_kv(v, batch_heads, acc),
