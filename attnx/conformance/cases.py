@@ -49,6 +49,7 @@ class Case:
     mask: Optional[str] = None        # None, "bool", "additive"
     mask_shape: str = "full"          # one of MASK_SHAPES
     mask_grad: bool = False           # additive mask with requires_grad
+    mask_dtype: Optional[str] = None  # additive mask dtype when it differs from q's
     alibi: Optional[str] = None       # None, "h" (Hq,), "bh" (B, Hq)
     softcap: Optional[float] = None
     scale: Optional[float] = None     # None = default 1/sqrt(D); large_logits picks its own
@@ -73,7 +74,8 @@ class Case:
         if self.window is not None:
             parts.append("win" + "_".join("N" if w is None else str(w) for w in self.window))
         if self.mask:
-            parts.append(f"{self.mask}mask-{self.mask_shape}" + ("-dmask" if self.mask_grad else ""))
+            parts.append(f"{self.mask}mask-{self.mask_shape}" + (f"-{self.mask_dtype}" if self.mask_dtype else "")
+                         + ("-dmask" if self.mask_grad else ""))
         if self.alibi:
             parts.append(f"alibi{self.alibi}")
         if self.softcap is not None:
@@ -299,6 +301,8 @@ def generate_cases(backend, profile: str = "quick") -> list[Case]:
                   replace(big, heads_q=2 * big.heads_q, mask="bool", masked_rows=True, layout="bshd"),
                   replace(big, mask="additive", mask_shape="2d", alibi="bh"),
                   replace(big, softcap=30.0, grad=False)]
+        cases.append(replace(base, group="mask_dtype", dtype=dt, mask="additive", mask_dtype="float32",
+                             mask_grad=grad, causal=True))
         if profile != "interp":
             cases.append(replace(big, batch=1, heads_q=1, heads_kv=1, seqlen_q=1000, seqlen_k=1000, causal=True, grad=False))
 

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .cases import Case
+from .cases import DTYPES, Case
 
 LARGE_LOGIT = 1e4
 
@@ -90,7 +90,7 @@ def make_inputs(case: Case, device) -> tuple[Inputs, Callable]:
     leaves = {name: leaf for name, (leaf, _) in layouts.items()}
     view_fns = {name: fn for name, (_, fn) in layouts.items()}
     if case.mask:
-        leaves["mask"] = _make_mask(case, gen, dtype)
+        leaves["mask"] = _make_mask(case, gen, DTYPES[case.mask_dtype] if case.mask_dtype else dtype)
         view_fns["mask"] = lambda t: t
     alibi = None
     if case.alibi:
