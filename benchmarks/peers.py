@@ -130,9 +130,15 @@ class FormulaPeer(Peer):
 
 
 class FlexPeer(Peer):
-    """torch FlexAttention, compiled (CUDA only: on the CPU it needs a C++ toolchain and long compiles)."""
+    """torch FlexAttention, compiled (CUDA only: on the CPU it needs a C++ toolchain and long compiles).
+
+    Compiled with dynamic shapes by default: once per head dim, mask and mode instead of once
+    per sequence length (static compiles of every point would eat most of a run's time budget).
+    `FlexPeer.static_shapes = True` (``--flex-static``) compiles each shape for its best speed.
+    """
 
     name = "torch.flex"
+    static_shapes = False
     _compiled = None
 
     def skip_reason(self, point, device):
@@ -153,7 +159,7 @@ class FlexPeer(Peer):
                     setattr(dynamo_config, option, 1024)
                 except (AttributeError, KeyError):
                     pass
-            cls._compiled = torch.compile(flex_attention, dynamic=False)
+            cls._compiled = torch.compile(flex_attention, dynamic=not cls.static_shapes)
         return cls._compiled
 
     def build(self, point):

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 import attnx  # noqa: E402
 from benchmarks import plots, report, settings  # noqa: E402
-from benchmarks.peers import all_peers, attnx_backend_names  # noqa: E402
+from benchmarks.peers import FlexPeer, all_peers, attnx_backend_names  # noqa: E402
 from benchmarks.progress import Progress  # noqa: E402
 from benchmarks.runner import Budget, Runner, dispatch_check  # noqa: E402
 
@@ -78,6 +78,8 @@ def parse_args(argv=None):
                         help="skip a peer whose next call is expected to take longer (default 3 cuda, 30 cpu)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 with --quick, which is a smoke test)")
+    parser.add_argument("--flex-static", action="store_true",
+                        help="compile FlexAttention per shape (fastest kernels, long compiles) instead of dynamic")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--rebuild", type=Path, metavar="DIR",
                         help="measure nothing: rewrite DIR's results.md, dispatcher check and plots from its JSON")
@@ -152,6 +154,7 @@ def main(argv=None) -> int:
     budget = Budget(max_seconds or None, max_call)
 
     peers = all_peers(device)
+    FlexPeer.static_shapes = args.flex_static
     if args.peers:
         wanted = [w.strip() for w in args.peers.split(",") if w.strip()]
         peers = [p for p in peers if any(w in p.name for w in wanted)]
