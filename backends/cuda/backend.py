@@ -50,6 +50,24 @@ class CudaBackend(Backend):
             reasons.append(f"no backward tile for head dim {tile} fits {shared} bytes of shared memory")
         return reasons
 
+    def doctor_details(self) -> dict:
+        """First-call cost the doctor reports: one small forward compiles (or loads from disk) its kernel."""
+        import time
+
+        import attnx
+
+        from .compile import compile_time_report
+
+        q = torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.float16)
+        start = time.perf_counter()
+        attnx.attention(q, q, q, backend=self.name)
+        torch.cuda.synchronize()
+        first_call = time.perf_counter() - start
+        kernels = ", ".join(f"{r['variant']} {r['seconds']:.2f}s ({r['registers']} regs, {r['local_bytes']} B local)"
+                            for r in compile_time_report())
+        return {"first call, fp16 d64 (compile or disk-cache load)": f"{first_call:.2f}s",
+                "kernels loaded": kernels}
+
     def forward(self, p, q, k, v, mask, alibi_slopes):
         from .launch import forward
 
