@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -34,15 +35,16 @@ def available_bytes(device: str) -> int:
     return 8 << 30
 
 
-def measure_cuda(call) -> int:
-    """Peak bytes allocated during `call(0)` beyond what was allocated before it."""
+def measure_cuda(call) -> tuple[int, float]:
+    """(peak bytes allocated during `call(0)` beyond what was allocated before it, seconds it took)."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
+    start = time.perf_counter()
     call(0)
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before
+    return torch.cuda.max_memory_allocated() - before, time.perf_counter() - start
 
 
 def _proc_status_kib(field: str) -> int:
@@ -52,8 +54,8 @@ def _proc_status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def measure_cpu(peer_name: str, point: Point, timeout_s: float) -> int:
-    """Run one point in a fresh interpreter and return its peak extra RSS in bytes."""
+def measure_cpu(peer_name: str, point: Point, timeout_s: float) -> tuple[int, float]:
+    """Run one point in a fresh interpreter: (its peak extra RSS in bytes, seconds the call took)."""
     request = json.dumps({"peer": peer_name, "point": point.as_dict(), "threads": torch.get_num_threads()})
     proc = subprocess.run([sys.executable, "-m", "benchmarks.memory", request], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=timeout_s)
@@ -62,7 +64,8 @@ def measure_cpu(peer_name: str, point: Point, timeout_s: float) -> int:
         if proc.returncode < 0:
             tail = [f"killed by signal {-proc.returncode} (out of memory?)"]
         raise RuntimeError(f"memory probe failed: {tail[0]}")
-    return int(json.loads(proc.stdout.strip().splitlines()[-1])["extra_bytes"])
+    answer = json.loads(proc.stdout.strip().splitlines()[-1])
+    return int(answer["extra_bytes"]), float(answer["seconds"])
 
 
 def _probe(request: dict) -> dict:
@@ -80,8 +83,10 @@ def _probe(request: dict) -> dict:
     call = make_call(peer.build(point), point, make_inputs(point, "cpu"))
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     before_kib = _proc_status_kib("VmRSS")
+    start = time.perf_counter()
     call(0)
-    return {"extra_bytes": max(0, _proc_status_kib("VmHWM") - before_kib) * 1024}
+    seconds = time.perf_counter() - start
+    return {"extra_bytes": max(0, _proc_status_kib("VmHWM") - before_kib) * 1024, "seconds": seconds}
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from .settings import Point
 from .timing import input_copies, make_call, make_inputs, measure_time
 
 MEMORY_HEADROOM = 0.7  # skip a point whose estimated peak exceeds this share of free memory
+MEMORY_CALL_FACTOR = 4  # memory points run once, so they may take this many times --max-call-seconds
 
 
 @dataclass
@@ -109,9 +110,10 @@ class Runner:
         if needed and needed > MEMORY_HEADROOM * memory_probe.available_bytes(self.device):
             return f"would not fit (needs ~{needed / 2**30:.1f} GiB)"
         last = self._last_ok.get((peer.name, point.group))
-        if last is not None and point.measure == "time":
+        if last is not None:
             estimate = last[1] * point.flops / last[0]
-            if estimate > self.budget.max_call_seconds:
+            limit = self.budget.max_call_seconds * (MEMORY_CALL_FACTOR if point.measure == "memory" else 1)
+            if estimate > limit:
                 return f"too slow (~{estimate:.1f} s per call expected)"
         return None
 
@@ -122,7 +124,9 @@ class Runner:
         try:
             fn = peer.build(point)
             if point.measure == "memory":
-                return {"status": "ok", "extra_bytes": self._memory(point, peer, fn, inputs)}
+                extra, seconds = self._memory(point, peer, fn, inputs)
+                self._last_ok[(peer.name, point.group)] = (point.flops, seconds)
+                return {"status": "ok", "extra_bytes": extra, "ms": seconds * 1e3}
             timing = measure_time(fn, point, inputs, self.device, self.quick)
         except Exception as err:  # one peer's failure is a row, not the end of the run
             if self.device == "cuda" and _breaks_context(err):
@@ -136,7 +140,8 @@ class Runner:
                 "ms": ms, "tflops": point.flops / (ms / 1e3) / 1e12,
                 "gbps": point.kv_bytes / (ms / 1e3) / 1e9}
 
-    def _memory(self, point, peer, fn, inputs) -> int:
+    def _memory(self, point, peer, fn, inputs) -> tuple[int, float]:
+        """(peak extra bytes, seconds of the measured call)."""
         if self.device == "cuda":
             call = make_call(fn, point, inputs)
             call(0)  # compile / autotune outside the measured call

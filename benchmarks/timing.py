@@ -37,12 +37,12 @@ def input_copies(point: Point) -> int:
 
 def make_inputs(point: Point, device: str, copies: int = 1, seed: int = 0) -> list:
     """`copies` fresh random (q, k, v, dout) sets; requires_grad for forward+backward points."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
     grad = point.mode == "fwd+bwd"
     sets = []
     for _ in range(copies):
         def rand(*shape):
-            return torch.randn(*shape, generator=generator, dtype=torch.float32).to(device, point.torch_dtype)
+            return torch.randn(*shape, generator=generator, device=device, dtype=point.torch_dtype)
         q = rand(point.batch, point.heads_q, point.seqlen_q, point.head_dim).requires_grad_(grad)
         k = rand(point.batch, point.heads_kv, point.seqlen_k, point.head_dim).requires_grad_(grad)
         v = rand(point.batch, point.heads_kv, point.seqlen_k, point.head_dim).requires_grad_(grad)
