@@ -79,18 +79,20 @@ def candidates(fam: str, kernel: str, path: str, bd: int, dtype: str) -> list[La
             if path == "dense":
                 if bd == 64:
                     return [C(128, 128, 4, 3), C(128, 64, 4, 4)]
-                return [C(128, 128, 8, 3), C(128, 64, 8, 3)]
+                if bd == 128:
+                    return [C(128, 128, 8, 3), C(128, 64, 8, 3)]
+                return [C(64, 64, 4, 2)]
             if wide:
                 return [C(64, 32, 4, 2)] if bd < 256 else [C(32, 32, 4, 2)]
             return [C(128, 64, 8, 2)] if bd < 256 else [C(64, 64, 8, 2)]
         if kernel == "bwd_dkdv":
             if path == "dense":
-                return [C(64, 128, 8, 3), C(32, 128, 4, 4)]
+                return [C(64, 128, 8, 3), C(32, 128, 4, 4)] if bd < 256 else [C(32, 64, 8, 2)]
             if wide:
                 return [C(32, 64, 4, 2)] if bd < 256 else [C(16, 32, 4, 2)]
             return [C(32, 64, 4, 2)] if bd < 256 else [C(32, 32, 8, 2)]
         if path == "dense":  # bwd_dq
-            return [C(128, 64, 8, 3), C(64, 64, 4, 3)]
+            return [C(128, 64, 8, 3), C(64, 64, 4, 3)] if bd < 256 else [C(64, 32, 4, 2)]
         if wide:
             return [C(64, 32, 4, 2)] if bd < 256 else [C(32, 16, 4, 2)]
         return [C(64, 64, 4, 2)] if bd < 256 else [C(32, 32, 8, 2)]
