@@ -18,6 +18,11 @@ from .scores import LN2, LOG2E, score_tile
 from .tiles import TileSizes, key_span
 
 
+def empty_like(t: torch.Tensor) -> torch.Tensor:
+    """Where the gradients are allocated (in the caller's strides); tests poison it with NaN."""
+    return torch.empty_like(t)
+
+
 def refine_lse(ops: Operands, q_tile, lse_tile, i0: int, i1: int, lo: int, hi: int, block_n: int, buffer):
     """Base-2 lse in the accumulation dtype from the float32 one: ``lse + log2(sum exp2(s - lse))``.
 
@@ -100,7 +105,7 @@ def rows_backward(ops: Operands, grads: KeyGradients, i0: int, i1: int, do_tile,
 def blocked_backward(p: Problem, q, k, v, mask, alibi_slopes, out, lse, dout, tiles: TileSizes):
     """``(dq, dk, dv, dmask)``; dmask is None unless ``p.mask_requires_grad``."""
     ops = prepare(p, q, k, v, mask, alibi_slopes)
-    dq = torch.empty_like(q)
+    dq = empty_like(q)
     dq5, out5, dout5, lse5 = (ops.split_heads(t) for t in (dq, out, dout, lse))
     split = (p.batch, p.heads_kv, p.group_size)
     # a mask with a query-row dimension gets disjoint rows from each worker: share one gradient
@@ -132,8 +137,7 @@ def blocked_backward(p: Problem, q, k, v, mask, alibi_slopes, out, lse, dout, ti
     for part in parts[1:]:
         dk_acc.add_(part.dk)
         dv_acc.add_(part.dv)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dk, dv = empty_like(k), empty_like(v)
     dk.copy_(dk_acc.view(p.batch, p.heads_kv, p.seqlen_k, p.head_dim))
     dv.copy_(dv_acc.view(p.batch, p.heads_kv, p.seqlen_k, p.head_dim_v))
     grad_mask = None
