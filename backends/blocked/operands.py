@@ -15,7 +15,8 @@ import torch
 from attnx.problem import Problem
 from attnx.reference import accumulation_dtype
 
-LOG2E = math.log2(math.e)
+LOG2E = math.log2(math.e)  # scores are kept in base 2: exp2 is cheaper than exp
+LN2 = math.log(2.0)
 
 
 def batched_kv(t: torch.Tensor, batch_heads: int, dtype) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
@@ -20,7 +21,13 @@ from attnx.problem import Problem
 
 # Below this many scores per call, thread hand-off costs more than it saves.
 MIN_PARALLEL_SCORES = 1 << 22
-_switch_lock = threading.Lock()
+
+
+class _State:
+    """The worker pools and the lock around torch's thread count (reset in a forked child,
+    where the pool threads no longer exist)."""
+
+    lock = threading.Lock()
 
 
 @functools.lru_cache(maxsize=None)
@@ -28,9 +35,18 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attnx-blocked")
 
 
+def _after_fork_in_child() -> None:
+    _pool.cache_clear()
+    _State.lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 @contextlib.contextmanager
 def _single_threaded_ops():
-    with _switch_lock:
+    with _State.lock:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
