@@ -79,16 +79,18 @@ class Runner:
 
     # -- one point -------------------------------------------------------------------
     def run_point(self, point: Point) -> None:
-        inputs = None
+        inputs, chosen, reasons, failure = None, None, {}, None
         try:
             if not self.budget.spent() and not self.context_lost:
-                inputs = make_inputs(point, self.device, input_copies(point) if point.measure == "time" else 1)
-                chosen, reasons = dispatcher_pick(point, inputs)
-            else:
-                chosen, reasons = None, {}
+                try:
+                    inputs = make_inputs(point, self.device, input_copies(point) if point.measure == "time" else 1)
+                    chosen, reasons = dispatcher_pick(point, inputs)
+                except Exception as err:  # recorded on every row of this point
+                    inputs, failure = None, {"status": "oom" if _is_oom(err) else "error",
+                                             "note": "inputs or attnx.explain failed: " + _first_line(err)}
             self.picks.append({**point.as_dict(), "picked": chosen})
             for peer in self.peers:
-                row = self._run_peer(point, peer, inputs, reasons)
+                row = failure or self._run_peer(point, peer, inputs, reasons)
                 self.rows.append({**point.as_dict(), "peer": peer.name, "family": peer.family, **row})
                 if self.progress:
                     self.progress.step(f"{point.label()} {peer.name}: {row['status']}")
