@@ -25,6 +25,7 @@ TARGETS = {
 }
 _FLOAT_ARGS = {"scale", "softcap"}
 _FP32_POINTERS = {"Lse", "Delta", "Mask", "Slopes", "dMask"}
+_last_ptx = ""  # PTX of the last NVIDIA compile, for register/spill reports (ptxas -v)
 
 
 class Variant(NamedTuple):
@@ -50,7 +51,7 @@ def variants(target: str) -> list[Variant]:
             found.append(Variant("bwd_preprocess", dtype, bd, "general",
                                  configs.LaunchConfig(configs.PREPROCESS_BLOCK_M, 0, 4, 1)))
             for path in configs.PATHS:
-                if path == "dense" and dtype not in configs.DENSE_DTYPES:
+                if path == "dense" and (dtype not in configs.DENSE_DTYPES or fam not in configs.DENSE_FAMILIES):
                     continue
                 for kernel in configs.KERNELS:
                     if configs.unsupported_reason(fam, kernel, path, bd, dtype):
@@ -105,6 +106,8 @@ def compile_variant(variant: Variant, target: str) -> dict:
     start = time.perf_counter()
     compiled = triton.compile(src, target=GPUTarget(backend, arch, warp), options=c.options(fam))
     meta = compiled.metadata
+    global _last_ptx
+    _last_ptx = compiled.asm.get("ptx", "")
     binary = "cubin" if backend == "cuda" else "hsaco"
     return {"id": variant.id, "target": target, "seconds": round(time.perf_counter() - start, 2),
             "shared": meta.shared, "binary_bytes": len(compiled.asm.get(binary, b"")),

@@ -2,8 +2,8 @@
 
 It stores bf16 as uint16 and (1) its `create_dot` hands those bits straight to numpy,
 (2) its float32 -> bf16 cast truncates instead of rounding to nearest even as GPUs do,
-which doubles the rounding error the conformance bounds are measured against. Applied once, at the first launch under TRITON_INTERPRET=1;
-compiled kernels are untouched.
+which doubles the rounding error the conformance bounds are measured against.
+Applied once, at the first launch under TRITON_INTERPRET=1; compiled kernels are untouched.
 """
 from __future__ import annotations
 

@@ -83,7 +83,9 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dmask_base
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["heads_q", "heads_kv", "group_size", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "key_offset", "window_left", "window_right", "store_dmask", "seq_bucket"])
+@triton.jit(do_not_specialize=["heads_q", "heads_kv", "group_size", "seqlen_q", "seqlen_k", "head_dim",
+                            "head_dim_v", "key_offset", "window_left", "window_right", "store_dmask",
+                            "seq_bucket"])
 def bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Mask, Slopes, dMask,
              stride_qb, stride_qh, stride_qm, stride_qd,
              stride_kb, stride_kh, stride_kn, stride_kd,
@@ -206,7 +208,8 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, str
     return dq
 
 
-@triton.jit(do_not_specialize=["heads_q", "group_size", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "key_offset", "window_left", "window_right", "seq_bucket"])
+@triton.jit(do_not_specialize=["heads_q", "group_size", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v",
+                            "key_offset", "window_left", "window_right", "seq_bucket"])
 def bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Mask, Slopes,
            stride_qb, stride_qh, stride_qm, stride_qd,
            stride_kb, stride_kh, stride_kn, stride_kd,

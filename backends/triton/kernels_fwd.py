@@ -60,7 +60,8 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_v
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["heads_q", "group_size", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "key_offset", "window_left", "window_right", "seq_bucket"])
+@triton.jit(do_not_specialize=["heads_q", "group_size", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v",
+                            "key_offset", "window_left", "window_right", "seq_bucket"])
 def attn_fwd(Q, K, V, Out, Lse, Mask, Slopes,
              stride_qb, stride_qh, stride_qm, stride_qd,
              stride_kb, stride_kh, stride_kn, stride_kd,

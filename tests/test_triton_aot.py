@@ -1,0 +1,60 @@
+"""CI check 2 for the triton backend: every kernel variant it can launch compiles ahead of time.
+
+`triton.compile` with a `GPUTarget` needs no GPU: cubins for NVIDIA sm_80/sm_90 and hsaco
+for AMD gfx90a/gfx942/gfx1100. A variant must also fit the target's shared memory (Triton
+only checks that at load time). Variants that cannot work on a target must be declared
+in `configs.UNSUPPORTED` (then the backend declines them there, with the reason) instead.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+pytest.importorskip("triton")
+from attnx.registry import _import_builtin_backends  # noqa: E402
+
+_import_builtin_backends()
+from attnx.backends.triton import aot, configs  # noqa: E402
+
+WORKERS = max(1, min(4, os.cpu_count() or 1))
+
+
+def _compile(job):
+    variant, target = job
+    try:
+        return variant.id, aot.compile_variant(variant, target), None
+    except Exception as err:  # noqa: BLE001 - collected and reported below
+        return variant.id, None, f"{type(err).__name__}: {str(err)[:400]}"
+
+
+def test_variant_list_matches_launcher():
+    """The AOT list covers every (kernel, dtype, BLOCK_D, path) the launcher can pick, and nothing twice."""
+    for target in aot.TARGETS:
+        ids = [v.id for v in aot.variants(target)]
+        assert len(ids) == len(set(ids))
+        fam = aot.TARGETS[target][3]
+        for dtype in configs.DTYPES:
+            for bd in configs.BLOCK_DS:
+                for kernel in configs.KERNELS:
+                    if configs.unsupported_reason(fam, kernel, "general", bd, dtype):
+                        continue
+                    assert any(v.kernel == kernel and v.dtype == dtype and v.block_d == bd and v.path == "general"
+                               for v in aot.variants(target)), (target, kernel, dtype, bd)
+
+
+@pytest.mark.parametrize("target", list(aot.TARGETS))
+def test_every_variant_compiles(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", os.environ.get("ATTNX_AOT_CACHE", str(tmp_path / "cache")))
+    jobs = [(v, target) for v in aot.variants(target)]
+    with ProcessPoolExecutor(WORKERS) as pool:
+        results = list(pool.map(_compile, jobs))
+    limit = aot.TARGETS[target][4]
+    problems = [f"{vid}: {err}" for vid, _, err in results if err]
+    problems += [f"{vid}: shared memory {r['shared']} > {limit}" for vid, r, _ in results if r and r["shared"] > limit]
+    assert not problems, f"{len(problems)} of {len(jobs)} variants fail on {target}:\n" + "\n".join(problems)
+    if target == "sm_90":
+        # Hopper: the fast path's matrix kernels must use wgmma, not the Ampere mma.sync path
+        dense = {vid: r["wgmma"] for vid, r, _ in results if r and "-dense-" in vid}
+        assert dense and all(dense.values()), [vid for vid, w in dense.items() if not w]
