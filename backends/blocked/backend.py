@@ -35,9 +35,9 @@ class BlockedBackend(Backend):
         return []
 
     # -- tile sizes ---------------------------------------------------------------------
-    def tile_sizes(self, p: Problem) -> TileSizes:
-        """The tiles used for `p`: the forced ones (see `force_tile_sizes`) over the defaults."""
-        default = default_tile_sizes(p)
+    def tile_sizes(self, p: Problem, backward: bool = False) -> TileSizes:
+        """The tiles used for `p` (forward, or `backward`): forced ones (`force_tile_sizes`) over the defaults."""
+        default = default_tile_sizes(p, backward)
         block_m = self._forced.block_m or default.block_m
         block_n = self._forced.block_n or default.block_n
         return TileSizes(min(block_m, p.seqlen_q), min(block_n, p.seqlen_k))
@@ -64,7 +64,7 @@ class BlockedBackend(Backend):
         return blocked_forward(p, q, k, v, mask, alibi_slopes, self.tile_sizes(p))
 
     def backward(self, p, q, k, v, mask, alibi_slopes, out, lse, dout):
-        return blocked_backward(p, q, k, v, mask, alibi_slopes, out, lse, dout, self.tile_sizes(p))
+        return blocked_backward(p, q, k, v, mask, alibi_slopes, out, lse, dout, self.tile_sizes(p, backward=True))
 
 
 BACKEND = BlockedBackend()

@@ -7,6 +7,8 @@ dimensions it broadcasts. GQA grads sum over the group inside the GEMMs.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from attnx.problem import Problem
@@ -77,7 +79,7 @@ def rows_backward(ops: Operands, grads: KeyGradients, i0: int, i1: int, do_tile,
     p = ops.p
     rows = i1 - i0
     lo, hi = key_span(p, i0, i1)
-    scores_buf, dp_buf, tanh_buf = buffers
+    scores_buf, dp_buf, tanh_buf, key_buf = buffers
     q_tile = ops.q_tile(i0, i1)  # times scale * log2(e)
     dq_tile = torch.zeros((ops.batch_heads, p.group_size * rows, p.head_dim), dtype=ops.acc, device=q_tile.device)
     if ops.acc != torch.float32:  # float64: the float32 lse is not exact enough
@@ -90,14 +92,19 @@ def rows_backward(ops: Operands, grads: KeyGradients, i0: int, i1: int, do_tile,
         tanh_tile = None if tanh_buf is None else tile_view(tanh_buf, ops, rows, cols)
         probs = score_tile(ops, q_tile, i0, i1, j0, j1, tile_view(scores_buf, ops, rows, cols), tanh_tile)
         probs.sub_(lse_tile).exp2_()
-        grads.dv[:, j0:j1].baddbmm_(probs.transpose(1, 2), do_tile)
+        # into a contiguous tile, then added: baddbmm_ into a strided slice loops over the batch
+        key_grad = torch.bmm(probs.transpose(1, 2), do_tile, out=key_buf[: ops.batch_heads * cols * p.head_dim_v]
+                             .view(ops.batch_heads, cols, p.head_dim_v))
+        grads.dv[:, j0:j1].add_(key_grad)
         ds = torch.bmm(do_tile, ops.v[:, j0:j1].transpose(1, 2), out=tile_view(dp_buf, ops, rows, cols))
         ds.sub_(delta).mul_(probs)
         if grads.dmask is not None:
             grads.dmask.add(ds, i0, i1, j0, j1)
         if tanh_tile is not None:
             ds.mul_(tanh_tile.square_().neg_().add_(1.0))
-        grads.dk[:, j0:j1].baddbmm_(ds.transpose(1, 2), q_tile, alpha=LN2)  # q_tile holds scale*log2(e)
+        key_grad = torch.bmm(ds.transpose(1, 2), q_tile, out=key_buf[: ops.batch_heads * cols * p.head_dim]
+                             .view(ops.batch_heads, cols, p.head_dim))
+        grads.dk[:, j0:j1].add_(key_grad, alpha=LN2)  # q_tile holds scale*log2(e)
         dq_tile.baddbmm_(ds, ops.k[:, j0:j1], alpha=p.scale)
     return dq_tile
 
@@ -115,8 +122,10 @@ def blocked_backward(p: Problem, q, k, v, mask, alibi_slopes, out, lse, dout, ti
 
     def run(starts):
         grads = KeyGradients(ops, shared_mask_grad)
-        buffers = (scratch(ops, tiles.block_m, tiles.block_n), scratch(ops, tiles.block_m, tiles.block_n),
-                   scratch(ops, tiles.block_m, tiles.block_n) if p.softcap is not None else None)
+        tile_buffer = functools.partial(scratch, ops, tiles.block_m, tiles.block_n)
+        key_buffer = torch.empty(ops.batch_heads * tiles.block_n * max(p.head_dim, p.head_dim_v), dtype=ops.acc,
+                                 device=q.device)
+        buffers = (tile_buffer(), tile_buffer(), tile_buffer() if p.softcap is not None else None, key_buffer)
         for i0 in starts:
             i1 = min(i0 + tiles.block_m, p.seqlen_q)
             lo, hi = key_span(p, i0, i1)

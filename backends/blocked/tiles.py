@@ -12,14 +12,17 @@ import torch
 from attnx.errors import InvalidArgumentError, InvalidTypeError
 from attnx.problem import Problem
 
-# CPU: large enough that the two GEMMs per tile run near BLAS peak, small enough
-# that the score tile of all heads stays in the last-level cache.
+# CPU (measured on a 2-core Zen 4 against torch's own CPU flash attention, see
+# benchmarks/blocked_cpu.py): 256 x 512 forward and 256 x 256 backward tiles per head;
+# smaller query blocks lose more to per-op overhead than they gain in cache.
 CPU_BLOCK_N = 512
-CPU_TILE_ELEMENTS = 1 << 20
+CPU_BACKWARD_BLOCK_N = 256
+CPU_TILE_ELEMENTS = 1 << 23
 # Accelerators: each op is a kernel launch, so tiles are as large as memory allows.
 GPU_BLOCK_M = 1024
 GPU_BLOCK_N = 2048
 GPU_TILE_ELEMENTS = 1 << 25
+MIN_BLOCK_M = 64
 
 
 class TileSizes(NamedTuple):
@@ -30,30 +33,32 @@ class TileSizes(NamedTuple):
 
 
 def _cpu_block_m(seqlen_q: int) -> int:
-    # PyTorch's CPU flash attention uses 256 / 64 / 32 by query length.
+    # PyTorch's CPU flash attention uses 256 / 64 / 32 by query length; 128 measured
+    # better than 64 here, and a short query block is one tile.
     if seqlen_q >= 768:
         return 256
     if seqlen_q >= 192:
-        return 64
-    return 32
+        return 128
+    return seqlen_q
 
 
-def default_tile_sizes(p: Problem) -> TileSizes:
-    """The tile sizes the blocked backend uses for `p` when none are forced."""
+def default_tile_sizes(p: Problem, backward: bool = False) -> TileSizes:
+    """The tile sizes the blocked backend uses for `p` (forward, or `backward`) when none are forced."""
     heads = p.batch * p.heads_q
     if p.device_type == "cpu":
-        block_n = CPU_BLOCK_N
         block_m = _cpu_block_m(p.seqlen_q)
+        block_n = CPU_BACKWARD_BLOCK_N if backward else CPU_BLOCK_N
         budget = CPU_TILE_ELEMENTS
     else:
         block_m, block_n, budget = GPU_BLOCK_M, GPU_BLOCK_N, GPU_TILE_ELEMENTS
+    block_m = min(block_m, p.seqlen_q)
     block_n = min(block_n, p.seqlen_k)
-    # shrink the query block first (the key block feeds the GEMMs' long side)
-    while block_m > 16 and heads * block_m * block_n > budget:
+    # one tile of scores for all heads stays within the budget (the query block shrinks first)
+    while block_m > MIN_BLOCK_M and heads * block_m * block_n > budget:
         block_m //= 2
-    while block_n > 64 and heads * block_m * block_n > budget:
+    while block_n > MIN_BLOCK_M and heads * block_m * block_n > budget:
         block_n //= 2
-    return TileSizes(max(1, min(block_m, p.seqlen_q)), max(1, block_n))
+    return TileSizes(max(1, block_m), max(1, block_n))
 
 
 def check_tile_size(name: str, value) -> Optional[int]:
