@@ -90,20 +90,23 @@ def main(argv=None) -> dict:
     rows = []
     print(f"blocked vs SDPA on CPU, B={args.batch} H={args.heads} S={args.seqlen} D={args.head_dim} {args.dtype}, "
           f"{torch.get_num_threads()} threads, median of {args.repeats}")
-    print(f"{'mode':8s} {'causal':6s} {'tiles':10s} {'blocked ms':>11s} {'sdpa ms':>9s} {'ratio':>6s}")
+    print(f"{'mode':8s} {'causal':6s} {'tiles (fwd,bwd)':16s} {'blocked ms':>11s} {'sdpa ms':>9s} {'ratio':>6s}")
     for mode in args.modes:
         for causal in (False, True):
             p = attnx.make_problem(q, k, v, causal=causal)
             for tiles_text in args.tiles:
                 tiles = parse_tiles(tiles_text)
                 used = tiles or tuple(BACKEND.tile_sizes(p))
+                used_backward = tiles or tuple(BACKEND.tile_sizes(p, backward=True))
                 blocked, sdpa = make_calls(q, k, v, dout, causal, mode == "fwd+bwd")
                 blocked_s, sdpa_s = measure(blocked, sdpa, args.repeats, tiles)
                 row = {"mode": mode, "causal": causal, "block_m": used[0], "block_n": used[1],
+                       "backward_tiles": list(used_backward) if mode == "fwd+bwd" else None,
                        "forced_tiles": tiles is not None, "blocked_ms": blocked_s * 1e3, "sdpa_ms": sdpa_s * 1e3,
                        "ratio": blocked_s / sdpa_s}
                 rows.append(row)
-                print(f"{mode:8s} {str(causal):6s} {used[0]}x{used[1]:<6d} {row['blocked_ms']:11.1f} "
+                label = f"{used[0]}x{used[1]}" + (f",{used_backward[0]}x{used_backward[1]}" if mode == "fwd+bwd" else "")
+                print(f"{mode:8s} {str(causal):6s} {label:16s} {row['blocked_ms']:11.1f} "
                       f"{row['sdpa_ms']:9.1f} {row['ratio']:6.2f}", flush=True)
     result = {
         "benchmark": "blocked_cpu", "torch": torch.__version__, "threads": torch.get_num_threads(),
