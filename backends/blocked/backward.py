@@ -14,9 +14,9 @@ import torch
 from attnx.problem import Problem
 
 from .forward import scratch, tile_view
-from .operands import Operands, prepare
+from .operands import LN2, LOG2E, Operands, prepare
 from .parallel import map_tiles
-from .scores import LN2, LOG2E, score_tile
+from .scores import score_tile
 from .tiles import TileSizes, key_span
 
 

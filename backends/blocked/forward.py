@@ -6,9 +6,9 @@ import torch
 from attnx.autograd import alloc_out
 from attnx.problem import Problem
 
-from .operands import Operands, prepare
 from .parallel import map_tiles
-from .scores import LN2, score_tile
+from .operands import LN2, Operands, prepare
+from .scores import score_tile
 from .tiles import TileSizes, key_span
 
 

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from .operands import LN2, LOG2E, Operands
+from .operands import LOG2E, Operands
 from .tiles import alibi_distance, allowed_tile, tile_is_interior
 
 NEG_INF = float("-inf")
