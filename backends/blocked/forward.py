@@ -6,8 +6,8 @@ import torch
 from attnx.autograd import alloc_out
 from attnx.problem import Problem
 
-from .parallel import map_tiles
 from .operands import LN2, Operands, prepare
+from .parallel import map_tiles
 from .scores import score_tile
 from .tiles import TileSizes, key_span
 
