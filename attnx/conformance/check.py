@@ -33,7 +33,8 @@ class Result:
     failures: list = field(default_factory=list)    # what went wrong, one line each
     errors: dict = field(default_factory=dict)      # quantity -> max abs error
     bounds: dict = field(default_factory=dict)      # quantity -> bound
-    naive_low: dict = field(default_factory=dict)   # quantity -> error of the low-dtype naive formula
+    naive_low: dict = field(default_factory=dict)   # quantity -> error of the formula computed in the low dtype
+    naive_acc32: dict = field(default_factory=dict)  # quantity -> error of the naive backend (float32 accumulation)
     scale: Optional[float] = None
     seconds: float = 0.0
 
@@ -56,6 +57,7 @@ class Result:
                 "errors": {k: num(v) for k, v in self.errors.items()},
                 "bounds": {k: num(v) for k, v in self.bounds.items()},
                 "naive_low_errors": {k: num(v) for k, v in self.naive_low.items()},
+                "naive_acc32_errors": {k: num(v) for k, v in self.naive_acc32.items()},
                 "scale": self.scale, "seconds": round(self.seconds, 4)}
 
 
@@ -82,6 +84,27 @@ def _formula(case: Case, views: dict, alibi, scale: float, compute_dtype, dout) 
             out.backward(dout.to(out.dtype))
             grads = {n: views[n].grad for n in GRAD_NAMES if n in views and views[n].requires_grad}
     return out.detach(), lse, grads
+
+
+def _errors(out, grads: dict, ref_out, ref_grads: dict) -> dict:
+    errors = {"out": max_abs_error(out, ref_out)}
+    errors.update({f"d{n}": max_abs_error(g, ref_grads[n]) if g is not None else math.inf for n, g in grads.items()})
+    return errors
+
+
+def _naive_backend_errors(case: Case, twin, alibi, scale: float, dout, ref_out, ref_grads: dict) -> dict:
+    """Errors of the naive backend (the formula with float32 accumulation, SPEC's accumulation rule)
+    on the same low-precision inputs: the second half of the low-precision baseline."""
+    if "naive" not in attnx.backends():
+        return {}
+    _, views = twin(None, case.grad)
+    out = attnx.attention(views["q"], views["k"], views["v"], **_call_kwargs(case, views, alibi, scale),
+                          backend="naive")
+    grads = {}
+    if dout is not None:
+        out.backward(dout)
+        grads = {n: views[n].grad for n in GRAD_NAMES if n in views and views[n].requires_grad}
+    return _errors(out, grads, ref_out, ref_grads)
 
 
 def _poison(device, numel: int) -> None:
@@ -157,9 +180,9 @@ def _run(result: Result, backend_name: str, case: Case, device, allow_extra_decl
     if case.torch_dtype in LOW_PRECISION:
         _, views_low = twin(None, case.grad)
         low_out, _, low_grads = _formula(case, views_low, alibi, p.scale, case.torch_dtype, inputs.dout)
-        low = {"out": max_abs_error(low_out, ref_out)}
-        low.update({f"d{n}": max_abs_error(g, ref_grads[n]) for n, g in low_grads.items()})
-    result.naive_low = low
+        result.naive_low = _errors(low_out, low_grads, ref_out, ref_grads)
+        result.naive_acc32 = _naive_backend_errors(case, twin, alibi, p.scale, inputs.dout, ref_out, ref_grads)
+        low = {n: max(e, result.naive_acc32.get(n, 0.0)) for n, e in result.naive_low.items()}
 
     quantities = {"out": (out, ref_out), "lse": (lse, ref_lse)}
     quantities.update({f"d{n}": (grads.get(n), ref_grads[n]) for n in ref_grads})
