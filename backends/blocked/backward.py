@@ -17,7 +17,7 @@ from .forward import scratch, tile_view
 from .operands import LN2, LOG2E, Operands, prepare
 from .parallel import map_tiles
 from .scores import score_tile
-from .tiles import TileSizes, key_span
+from .tiles import TileSizes, key_count, key_span
 
 
 def empty_like(t: torch.Tensor) -> torch.Tensor:
@@ -141,7 +141,8 @@ def blocked_backward(p: Problem, q, k, v, mask, alibi_slopes, out, lse, dout, ti
             dq5[:, :, :, i0:i1].copy_(dq_tile.view(*split, i1 - i0, p.head_dim))
         return grads
 
-    parts = map_tiles(p, range(0, p.seqlen_q, tiles.block_m), run)
+    parts = map_tiles(p, range(0, p.seqlen_q, tiles.block_m), run,
+                      cost=lambda i0: key_count(p, i0, tiles.block_m))
     dk_acc, dv_acc = parts[0].dk, parts[0].dv
     for part in parts[1:]:
         dk_acc.add_(part.dk)

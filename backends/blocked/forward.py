@@ -9,7 +9,7 @@ from attnx.problem import Problem
 from .operands import LN2, Operands, prepare
 from .parallel import map_tiles
 from .scores import score_tile
-from .tiles import TileSizes, key_span
+from .tiles import TileSizes, key_count, key_span
 
 
 def scratch(ops: Operands, rows: int, cols: int) -> torch.Tensor:
@@ -79,5 +79,6 @@ def blocked_forward(p: Problem, q, k, v, mask, alibi_slopes, tiles: TileSizes):
             out5[:, :, :, i0:i1].copy_(tile_out.view(*split, i1 - i0, p.head_dim_v))
             lse5[:, :, :, i0:i1].copy_(tile_lse.view(*split, i1 - i0))
 
-    map_tiles(p, range(0, p.seqlen_q, tiles.block_m), run)
+    map_tiles(p, range(0, p.seqlen_q, tiles.block_m), run,
+              cost=lambda i0: key_count(p, i0, tiles.block_m))
     return out, lse

@@ -13,7 +13,8 @@ import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
+from queue import Empty, SimpleQueue
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -75,12 +76,28 @@ def _without_grad(work: Callable):
     return run
 
 
-def map_tiles(p: Problem, starts: Sequence[int], work: Callable[[Sequence[int]], object]) -> list:
-    """Run ``work(chunk)`` over round-robin chunks of the query-tile `starts`; one result per chunk."""
+def map_tiles(p: Problem, starts: Sequence[int], work: Callable[[Iterable[int]], object],
+              cost: Optional[Callable[[int], int]] = None) -> list:
+    """Run `work` over the query-tile `starts` on the workers; one result per worker.
+
+    Each worker calls ``work(tiles)`` once with an iterator that hands out tiles from
+    one shared queue, most costly first (`cost`), so a worker that the OS deschedules
+    on a loaded machine does not hold the others up, and per-worker state (scratch
+    buffers, dK/dV accumulators) is allocated once per worker.
+    """
     workers = worker_count(p, len(starts))
     if workers == 1:
         return [_without_grad(work)(starts)]
-    # round-robin: causal tiles grow with their index, so each worker gets a fair mix
-    chunks = [starts[w::workers] for w in range(workers)]
+    queue: SimpleQueue = SimpleQueue()
+    for start in (sorted(starts, key=cost, reverse=True) if cost else starts):
+        queue.put(start)
+
+    def tiles_from_queue():
+        while True:
+            try:
+                yield queue.get_nowait()
+            except Empty:
+                return
+
     with _single_threaded_ops():
-        return list(_pool(workers).map(_without_grad(work), chunks))
+        return list(_pool(workers).map(_without_grad(work), [tiles_from_queue() for _ in range(workers)]))

@@ -80,6 +80,12 @@ def key_span(p: Problem, i0: int, i1: int) -> tuple[int, int]:
     return lo, hi
 
 
+def key_count(p: Problem, i0: int, block_m: int) -> int:
+    """How many keys the query tile starting at `i0` visits (its cost, for scheduling)."""
+    lo, hi = key_span(p, i0, min(i0 + block_m, p.seqlen_q))
+    return max(0, hi - lo)
+
+
 def tile_is_interior(p: Problem, i0: int, i1: int, j0: int, j1: int) -> bool:
     """True when every query of ``[i0, i1)`` may see every key of ``[j0, j1)``."""
     offset = p.key_offset
