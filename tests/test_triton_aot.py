@@ -58,3 +58,19 @@ def test_every_variant_compiles(target, tmp_path, monkeypatch):
         # Hopper: the fast path's matrix kernels must use wgmma, not the Ampere mma.sync path
         dense = {vid: r["wgmma"] for vid, r, _ in results if r and "-dense-" in vid}
         assert dense and all(dense.values()), [vid for vid, w in dense.items() if not w]
+
+
+@pytest.mark.parametrize("vendor,arch,accepted", [
+    ("nvidia", "sm_90", True), ("nvidia", "sm_80", True), ("nvidia", "sm_86", True), ("nvidia", "sm_75", False),
+    ("amd", "gfx942", True), ("amd", "gfx90a", True), ("amd", "gfx1100", True), ("amd", "gfx1030", False)])
+def test_declared_targets_match_aot_targets(vendor, arch, accepted):
+    """The backend accepts exactly the architectures CI compiles for (plus sm_8x/sm_9x siblings)."""
+    import torch
+
+    from attnx.backends.triton import BACKEND
+    from attnx.problem import Problem
+
+    p = Problem("cuda", vendor, arch, torch.bfloat16, 2, 8, 2, 300, 300, 128, 128, "bhsd", True, None, 0,
+                None, None, False, False, None, 128 ** -0.5, True)
+    own = [r for r in BACKEND.reasons(p) if r not in BACKEND.unavailable_reasons]
+    assert (not own) == accepted, own
