@@ -45,5 +45,7 @@ def score_tile(ops: Operands, q_tile: torch.Tensor, i0: int, i1: int, j0: int, j
                 mask_tile = mask_tile.to(ops.acc)  # a float64 bias on float32 scores
             s5.add_(mask_tile, alpha=LOG2E)
     if not tile_is_interior(p, i0, i1, j0, j1):
-        s4.masked_fill_(allowed_tile(p, i0, i1, j0, j1, s.device).logical_not(), NEG_INF)
+        # a broadcast add of a (rows, cols) 0 / -inf bias is several times faster than a broadcast masked_fill_
+        bias = torch.zeros((rows, cols), dtype=ops.acc, device=s.device)
+        s4.add_(bias.masked_fill_(allowed_tile(p, i0, i1, j0, j1, s.device).logical_not(), NEG_INF))
     return s
