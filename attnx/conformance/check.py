@@ -168,7 +168,7 @@ def _run(result: Result, backend_name: str, case: Case, device, allow_extra_decl
         grads = {n: views[n].grad for n in GRAD_NAMES if n in views and views[n].requires_grad}
     _check_layout(result, case, p, out, lse, grads, views, device)
     if backend.deterministic and case.group in DETERMINISM_GROUPS:
-        _check_deterministic(result, backend_name, case, device, kwargs, out, lse, grads)
+        _check_deterministic(result, backend_name, case, device, out, lse, grads)
     for name, leaf in inputs.leaves.items():
         if not torch.equal(leaf.detach(), snapshot[name]):
             result.fail(f"input {name} was modified")
@@ -197,7 +197,7 @@ def _run(result: Result, backend_name: str, case: Case, device, allow_extra_decl
     _check_dead_rows(result, case, out, lse, grads, ref_lse)
 
 
-def _check_deterministic(result: Result, backend_name: str, case: Case, device, kwargs, out, lse, grads) -> None:
+def _check_deterministic(result: Result, backend_name: str, case: Case, device, out, lse, grads) -> None:
     """A second run on fresh copies of the same inputs must give bitwise equal results."""
     again, _ = make_inputs(case, device)
     views = again.views
