@@ -13,11 +13,11 @@ from .backend import Backend
 from .dispatch import Decision
 from .errors import AttnxError, InvalidArgumentError, InvalidTypeError, NoBackendError
 from .problem import Problem, make_problem
-from .registry import backends, get_backend, list_backends, register_backend
+from .registry import get_backend, list_backends, register_backend, registered_backends
 from .selection import use_backend
 
 __all__ = [
-    "attention", "explain", "use_backend", "list_backends", "register_backend", "get_backend", "backends",
+    "attention", "explain", "use_backend", "list_backends", "register_backend", "get_backend", "registered_backends",
     "Backend", "Problem", "Decision", "make_problem", "alloc_out", "sum_to_shape",
     "AttnxError", "InvalidArgumentError", "InvalidTypeError", "NoBackendError", "__version__",
 ]

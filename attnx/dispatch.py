@@ -10,11 +10,15 @@ from typing import Optional
 
 from .errors import NoBackendError
 from .problem import Problem
-from .registry import backends, get_backend
+from .registry import get_backend, registered_backends
 from .selection import allowed_backends
 
 # Best first. Compiled kernels beat the torch-op backends wherever they accept.
 PRIORITY = ("cuda", "triton", "blocked", "naive")
+# On Hopper, Triton's tl.dot lowers to wgmma while the cuda backend's kernels are the
+# Ampere-class mma.sync family: on the H200 (2026-11-29, bf16, d64/d128, S 512..16k)
+# triton ran 5-45% faster, forward and forward+backward (benchmarks/results/h200-2026-11-29).
+TRITON_FIRST_FROM_CAPABILITY = (9, 0)
 # On the CPU the plain formula wins while the whole score matrix is small. Measured on a 2-core
 # EPYC (fp32, D=64, fwd and fwd+bwd, causal or not): naive ~10% faster at 64k scores, blocked
 # 10-40% faster at 128k and 1.5-4x at 256k+ (benchmarks/ docs/benchmarks.md).
@@ -26,11 +30,15 @@ _cache: dict = {}
 def priority(p: Problem) -> list[str]:
     """Registered backend names, best first, for this problem."""
     order = list(PRIORITY)
+    capability = p.capability
+    if capability is not None and capability >= TRITON_FIRST_FROM_CAPABILITY:
+        order.remove("triton")
+        order.insert(order.index("cuda"), "triton")
     if p.device_type != "cuda" and p.batch * p.heads_q * p.seqlen_q * p.seqlen_k <= NAIVE_MAX_SCORES:
         order.remove("naive")
         order.insert(order.index("blocked"), "naive")
-    names = [n for n in order if n in backends()]
-    return names + [n for n in backends() if n not in names]
+    names = [n for n in order if n in registered_backends()]
+    return names + [n for n in registered_backends() if n not in names]
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 from .capability import DeviceInfo, probe
 from .dispatch import decide
 from .problem import Problem
-from .registry import backends
+from .registry import registered_backends
 
 # (label, dtype, head_dim, Sq, Sk, causal, mask kind, needs grad)
 TYPICAL = (
@@ -43,7 +43,7 @@ def typical_problem(device: DeviceInfo, dtype, head_dim, seqlen_q, seqlen_k, cau
 
 def _backend_rows() -> list[dict]:
     rows = []
-    for backend in backends().values():
+    for backend in registered_backends().values():
         row = {"name": backend.name, "available": backend.available,
                "reasons": list(backend.unavailable_reasons), "description": backend.description}
         report = getattr(backend, "doctor_details", None)

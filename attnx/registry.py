@@ -53,7 +53,7 @@ def register_backend(backend: Backend) -> Backend:
     return backend
 
 
-def backends() -> dict[str, Backend]:
+def registered_backends() -> dict[str, Backend]:
     """Registered backends by name, in registration order."""
     _ensure_builtins()
     return _BACKENDS
@@ -62,7 +62,7 @@ def backends() -> dict[str, Backend]:
 def get_backend(name: str) -> Backend:
     if not isinstance(name, str):
         raise InvalidTypeError(f"a backend name must be a str, got {type(name).__name__}")
-    table = backends()
+    table = registered_backends()
     if name not in table:
         raise InvalidArgumentError(f"unknown backend {name!r}; registered: {', '.join(table)}")
     return table[name]
@@ -71,4 +71,4 @@ def get_backend(name: str) -> Backend:
 def list_backends() -> list[dict]:
     """Each registered backend with its availability on this machine."""
     return [{"name": b.name, "available": b.available, "reasons": list(b.unavailable_reasons),
-             "description": b.description} for b in backends().values()]
+             "description": b.description} for b in registered_backends().values()]

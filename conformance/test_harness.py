@@ -21,7 +21,7 @@ NaiveBackend = type(attnx.get_backend("naive"))
 @pytest.fixture
 def register():
     """Register backend instances for one test; the registry is restored afterwards."""
-    saved = dict(registry.backends())
+    saved = dict(registry.registered_backends())
     yield attnx.register_backend
     registry._BACKENDS.clear()
     registry._BACKENDS.update(saved)

@@ -52,7 +52,7 @@ def make_spy():
 def clean_registry(monkeypatch):
     """Restore the registered backends, the decision cache and ATTNX_BACKEND after the test."""
     monkeypatch.delenv("ATTNX_BACKEND", raising=False)
-    saved = dict(registry.backends())
+    saved = dict(registry.registered_backends())
     dispatch.clear_cache()
     yield registry._BACKENDS
     registry._BACKENDS.clear()

@@ -9,7 +9,7 @@ from attnx.reference import attention_reference
 
 
 def _backends_with_backward() -> list[str]:
-    return [name for name, b in attnx.backends().items()
+    return [name for name, b in attnx.registered_backends().items()
             if b.available and "cpu" in b.device_types and b.supports_backward and torch.float64 in b.dtypes]
 
 

@@ -63,7 +63,7 @@ def test_use_backend_restricts_nests_and_restores(ran, qkv):
     q, k, v = qkv()
     attnx.attention(q, k, v)
     default = ran.pop()[0]
-    other = "blocked" if default != "blocked" and "blocked" in attnx.backends() else "naive"
+    other = "blocked" if default != "blocked" and "blocked" in attnx.registered_backends() else "naive"
     with attnx.use_backend(other):
         attnx.attention(q, k, v)
         assert ran.pop() == (other, "forward")
@@ -112,7 +112,7 @@ def test_env_variable_restricts(monkeypatch, ran, qkv):
     q, k, v = qkv()
     attnx.attention(q, k, v)
     default = ran.pop()[0]
-    other = "blocked" if default != "blocked" and "blocked" in attnx.backends() else "naive"
+    other = "blocked" if default != "blocked" and "blocked" in attnx.registered_backends() else "naive"
     monkeypatch.setenv("ATTNX_BACKEND", other)
     attnx.attention(q, k, v)
     assert ran.pop() == (other, "forward")
@@ -128,7 +128,7 @@ def test_env_variable_restricts(monkeypatch, ran, qkv):
 def test_forced_backend_beats_use_backend(ran, qkv):
     q, k, v = qkv()
     with attnx.use_backend("naive"):
-        if "blocked" in attnx.backends():
+        if "blocked" in attnx.registered_backends():
             attnx.attention(q, k, v, backend="blocked")
             assert ran.pop() == ("blocked", "forward")
 
@@ -171,7 +171,7 @@ def test_priority_prefers_naive_for_small_cpu_problems(qkv):
 def test_list_backends():
     listed = attnx.list_backends()
     names = [b["name"] for b in listed]
-    assert "naive" in names and names == list(attnx.backends())
+    assert "naive" in names and names == list(attnx.registered_backends())
     for entry in listed:
         assert set(entry) >= {"name", "available", "reasons", "description"}
         assert entry["available"] == (entry["reasons"] == [])

@@ -37,7 +37,7 @@ def device_problem(backend, device: str) -> Optional[str]:
 def available_backends() -> list[str]:
     """Registered backends that can run on this machine, on their default device."""
     names = []
-    for name, backend in attnx.backends().items():
+    for name, backend in attnx.registered_backends().items():
         if device_problem(backend, default_device(backend)) is None:
             names.append(name)
     return names
