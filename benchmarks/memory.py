@@ -25,7 +25,8 @@ def available_bytes(device: str) -> int:
     """Memory a new allocation could still get on `device`."""
     if device == "cuda":
         free, _total = torch.cuda.mem_get_info()
-        return free
+        # blocks torch's caching allocator holds but does not use are free to this process too
+        return free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):

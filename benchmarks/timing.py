@@ -85,24 +85,35 @@ def time_cpu(call, warmup=1, min_reps=3, max_reps=10, budget_s=3.0) -> Timing:
     return Timing(statistics.median(times), min(times), len(times))
 
 
-def time_cuda(call, warmup=3, min_reps=5, max_reps=50, budget_s=1.0) -> Timing:
-    """CUDA events around each call after warm-up; median and min in ms."""
-    for i in range(warmup):
+def time_cuda(call, warmup=3, min_reps=5, max_reps=50, budget_s=1.0, slow_s=0.05) -> Timing:
+    """CUDA events around each call after warm-up; median and min in ms.
+
+    One call compiles/autotunes, a second sizes the repetitions to `budget_s`; calls slower
+    than `slow_s` skip the remaining warm-up and get 3 repetitions (they are stable, and
+    slow methods would otherwise eat the run's time budget).
+    """
+    def timed(i) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         call(i)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+
+    call(0)  # compile, autotune, allocate
     torch.cuda.synchronize()
-    # estimate one call to size the repetitions to the budget
-    probe_start, probe_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    probe_start.record()
-    call(warmup)
-    probe_end.record()
-    torch.cuda.synchronize()
-    estimate_s = max(probe_start.elapsed_time(probe_end) / 1e3, 1e-6)
-    reps = int(max(min_reps, min(max_reps, budget_s / estimate_s)))
+    estimate_ms = timed(1)
+    if estimate_ms / 1e3 > slow_s:
+        times = [estimate_ms] + [timed(2 + i) for i in range(2)]
+        return Timing(statistics.median(times), min(times), len(times))
+    for i in range(max(0, warmup - 2)):
+        call(2 + i)
+    reps = int(max(min_reps, min(max_reps, budget_s / max(estimate_ms / 1e3, 1e-6))))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
         starts[i].record()
-        call(warmup + 1 + i)
+        call(warmup + i)
         ends[i].record()
     torch.cuda.synchronize()
     times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
