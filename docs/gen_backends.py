@@ -100,8 +100,14 @@ def _priority_line() -> str:
     from attnx import dispatch
 
     order = " > ".join(f"`{name}`" for name in dispatch.PRIORITY)
-    return (f"Dispatcher priority (`attnx/dispatch.py`): {order}; on devices other than CUDA, `naive` goes "
-            f"before `blocked` while `B * Hq * Sq * Sk <= {dispatch.NAIVE_MAX_SCORES:,}` (`NAIVE_MAX_SCORES`).")
+    rules = []
+    triton_first = getattr(dispatch, "TRITON_FIRST_FROM_CAPABILITY", None)
+    if triton_first is not None:
+        rules.append(f"on NVIDIA GPUs of compute capability {triton_first[0]}.{triton_first[1]} and newer, `triton` "
+                     f"goes before `cuda`")
+    rules.append(f"on devices other than CUDA, `naive` goes before `blocked` while "
+                 f"`B * Hq * Sq * Sk <= {dispatch.NAIVE_MAX_SCORES:,}` (`NAIVE_MAX_SCORES`)")
+    return f"Dispatcher priority (`attnx/dispatch.py`): {order}; " + "; ".join(rules) + "."
 
 
 def render(backends=None) -> str:
