@@ -34,7 +34,9 @@ def priority(p: Problem) -> list[str]:
     if capability is not None and capability >= TRITON_FIRST_FROM_CAPABILITY:
         order.remove("triton")
         order.insert(order.index("cuda"), "triton")
-    if p.device_type != "cuda" and p.batch * p.heads_q * p.seqlen_q * p.seqlen_k <= NAIVE_MAX_SCORES:
+    # naive repeats K/V per query head, so under GQA blocked (which batches the group) stays ahead
+    if (p.device_type != "cuda" and p.heads_q == p.heads_kv
+            and p.batch * p.heads_q * p.seqlen_q * p.seqlen_k <= NAIVE_MAX_SCORES):
         order.remove("naive")
         order.insert(order.index("blocked"), "naive")
     names = [n for n in order if n in registered_backends()]
