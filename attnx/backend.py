@@ -116,6 +116,8 @@ class Backend:
             reasons.append("softcap not supported")
         if p.needs_grad and not self.supports_backward:
             reasons.append("backward (inputs require grad) not supported")
+        elif p.deterministic and not self.deterministic:
+            reasons.append("backward is not deterministic, and torch.use_deterministic_algorithms(True) is on")
         if not reasons:
             reasons += self.extra_reasons(p)
         return reasons

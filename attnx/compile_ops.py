@@ -20,7 +20,8 @@ def _problem(q, k, v, mask, alibi_slopes, causal, window_left, window_right, sca
     p = make_problem(q, k, v, causal=causal, window=(window_left, window_right), mask=mask, scale=scale,
                      softcap=softcap, alibi_slopes=alibi_slopes, layout=layout)
     mask_grad = needs_grad and mask is not None and mask.requires_grad
-    return p._replace(needs_grad=needs_grad, mask_requires_grad=mask_grad)
+    deterministic = needs_grad and torch.are_deterministic_algorithms_enabled()
+    return p._replace(needs_grad=needs_grad, mask_requires_grad=mask_grad, deterministic=deterministic)
 
 
 @torch.library.custom_op("attnx::attention_fwd", mutates_args=())

@@ -47,6 +47,9 @@ class Problem(NamedTuple):
     softcap: Optional[float]
     scale: float
     needs_grad: bool
+    # torch.use_deterministic_algorithms(True) while gradients are needed: the backward
+    # must give bitwise-identical results run to run (no floating-point atomics)
+    deterministic: bool = False
 
     @property
     def capability(self) -> Optional[tuple[int, int]]:
@@ -202,6 +205,7 @@ def make_problem(q, k, v, causal=False, window=None, mask=None, scale=None,
     mask_requires_grad = mask_requires_grad and grad_enabled
     needs_grad = grad_enabled and (q.requires_grad or k.requires_grad or v.requires_grad or mask_requires_grad)
     vendor, arch = device_arch(device)
+    deterministic = needs_grad and torch.are_deterministic_algorithms_enabled()
     return Problem(device.type, vendor, arch, q.dtype, batch, heads_q, heads_kv, seqlen_q, seqlen_k,
                    head_dim, head_dim_v, layout, causal, window_left, window_right, mask_kind, mask_shape,
-                   mask_requires_grad, has_alibi, softcap, scale, needs_grad)
+                   mask_requires_grad, has_alibi, softcap, scale, needs_grad, deterministic)

@@ -188,3 +188,19 @@ def test_unavailable_backend_says_how_to_install(clean_registry, make_spy, qkv):
     assert any("attnx_no_such_module" in r and "pip install" in r for r in why)
     with pytest.raises(attnx.NoBackendError, match="not installed"):
         attnx.attention(q, k, v, backend="needs_pkg")
+
+
+def test_deterministic_algorithms_decline_nondeterministic_backward(clean_registry, make_spy, qkv):
+    attnx.register_backend(make_spy("atomics", deterministic=False))
+    q, k, v = qkv(requires_grad=True)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(attnx.NoBackendError, match="not deterministic"):
+            attnx.attention(q, k, v, backend="atomics")
+        with torch.no_grad():  # forward alone has no atomics to worry about
+            attnx.attention(q, k, v, backend="atomics")
+        assert attnx.explain(q, k, v).chosen != "atomics"
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert attnx.explain(q, k, v, backend="atomics").chosen == "atomics"
