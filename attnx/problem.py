@@ -7,6 +7,7 @@ error naming the argument before any kernel runs.
 from __future__ import annotations
 
 import math
+import operator
 from typing import NamedTuple, Optional
 
 import torch
@@ -90,8 +91,12 @@ def _check_tensor(name: str, t) -> None:
 def _window_side(name: str, value) -> Optional[int]:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidTypeError(f"`window` {name} must be an int >= 0 or None, got {value!r}")
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)  # ints, numpy integers, 0-d integer tensors
+    except TypeError:
+        raise InvalidTypeError(f"`window` {name} must be an int >= 0 or None, got {value!r}") from None
     if value < 0:
         raise InvalidArgumentError(f"`window` {name} must be >= 0 or None, got {value}")
     return value
