@@ -69,9 +69,12 @@ def worker_count(p: Problem, tile_count: int) -> int:
 
 
 def _without_grad(work: Callable):
-    # grad mode is thread-local: a pool thread would otherwise record autograd history
+    # grad and inference modes are thread-local: a pool thread would otherwise record autograd
+    # history, or refuse to write the caller's inference-mode tensors
+    inference = torch.is_inference_mode_enabled()
+
     def run(chunk):
-        with torch.no_grad():
+        with torch.inference_mode(inference), torch.no_grad():
             return work(chunk)
     return run
 
