@@ -75,7 +75,14 @@ class Backend:
     # -- per problem -----------------------------------------------------------------
     def reasons(self, p: Problem) -> list[str]:
         """Every reason this backend declines `p`; empty when it accepts."""
-        reasons = list(self.unavailable_reasons)
+        reasons = list(self.unavailable_reasons) + self.device_reasons(p) + self.declared_reasons(p)
+        if not reasons:
+            reasons += self.extra_reasons(p)
+        return reasons
+
+    def device_reasons(self, p: Problem) -> list[str]:
+        """Why the declared devices, vendors and architectures exclude `p`'s device."""
+        reasons = []
         if p.device_type not in self.device_types:
             reasons.append(f"device {p.device_type} not supported (needs {', '.join(sorted(self.device_types))})")
         elif self.vendors is not None and p.vendor not in self.vendors:
@@ -90,6 +97,11 @@ class Backend:
                                f"{self.max_capability[0]}.{self.max_capability[1]}")
             if p.vendor == "amd" and self.amd_archs is not None and not p.arch.startswith(tuple(self.amd_archs)):
                 reasons.append(f"AMD arch {p.arch} not supported (needs {', '.join(sorted(self.amd_archs))})")
+        return reasons
+
+    def declared_reasons(self, p: Problem) -> list[str]:
+        """Why the declared dtypes, head dims and features exclude `p` (device and machine aside)."""
+        reasons = []
         if p.dtype not in self.dtypes:
             reasons.append(f"dtype {str(p.dtype).replace('torch.', '')} not supported "
                            f"(needs {_dtype_names(self.dtypes)})")
@@ -118,8 +130,6 @@ class Backend:
             reasons.append("backward (inputs require grad) not supported")
         elif p.deterministic and not self.deterministic:
             reasons.append("backward is not deterministic, and torch.use_deterministic_algorithms(True) is on")
-        if not reasons:
-            reasons += self.extra_reasons(p)
         return reasons
 
     def extra_reasons(self, p: Problem) -> list[str]:

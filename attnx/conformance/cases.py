@@ -20,6 +20,8 @@ from typing import Optional
 
 import torch
 
+from attnx.problem import Problem
+
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 DTYPE_ORDER = ("float32", "float16", "bfloat16", "float64")
 HEAD_DIMS = (16, 32, 40, 64, 72, 80, 96, 128, 160, 192, 256)
@@ -108,6 +110,19 @@ class Case:
             right = 0 if right is None else min(right, 0)
         return left, right
 
+    def problem(self) -> Problem:
+        """The case's signature as `make_problem` would build it (device fields: the CPU's)."""
+        left, right = self.folded_window
+        return Problem(
+            device_type="cpu", vendor="cpu", arch="cpu", dtype=self.torch_dtype, batch=self.batch,
+            heads_q=self.heads_q, heads_kv=self.heads_kv, seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k,
+            head_dim=self.head_dim, head_dim_v=self.head_dim_v, layout=self.layout, causal=self.causal,
+            window_left=left, window_right=right, mask_kind=self.mask,
+            mask_shape=(self.batch, self.heads_q, self.seqlen_q, self.seqlen_k) if self.mask else None,
+            mask_requires_grad=self.mask_grad, has_alibi=self.alibi is not None, softcap=self.softcap,
+            scale=self.scale if self.scale is not None else self.head_dim ** -0.5,
+            needs_grad=self.grad or self.mask_grad)
+
     def as_dict(self) -> dict:
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
         d["window"] = list(self.window) if self.window is not None else None
@@ -125,33 +140,7 @@ def head_dim_ok(backend, dim: int) -> bool:
 
 def declared_reasons(backend, case: Case) -> list[str]:
     """Why the backend's declarations (class attributes only) exclude `case`; [] = declared supported."""
-    why = []
-    if case.torch_dtype not in backend.dtypes:
-        why.append(f"dtype {case.dtype}")
-    for dim in {case.head_dim, case.head_dim_v}:
-        if not head_dim_ok(backend, dim):
-            why.append(f"head dim {dim}")
-    if case.head_dim != case.head_dim_v and not backend.supports_dv_differs:
-        why.append("Dv != D")
-    if case.heads_q != case.heads_kv and not backend.supports_gqa:
-        why.append("GQA")
-    left, right = case.folded_window
-    if left is None and right == 0:
-        if not backend.supports_causal:
-            why.append("causal")
-    elif (left is not None or right is not None) and not backend.supports_window:
-        why.append("window")
-    if case.mask and case.mask not in backend.mask_kinds:
-        why.append(f"{case.mask} mask")
-    if case.mask_grad and not (backend.supports_mask_grad and backend.supports_backward):
-        why.append("mask grad")
-    if case.alibi and not backend.supports_alibi:
-        why.append("alibi")
-    if case.softcap is not None and not backend.supports_softcap:
-        why.append("softcap")
-    if case.grad and not backend.supports_backward:
-        why.append("backward")
-    return why
+    return backend.declared_reasons(case.problem())
 
 
 # -- profiles ---------------------------------------------------------------------------------
