@@ -3,21 +3,26 @@
     out = attnx.attention(q, k, v, causal=True)
 
 See `attnx.attention` for the arguments, `attnx.explain` for the dispatcher's
-decision, `attnx.use_backend` to restrict it, and ``python -m attnx.doctor``.
+decision, `attnx.use_backend` to restrict it, `attnx.plan` for repeated calls,
+`attnx.merge` to combine partial results, and ``python -m attnx.doctor``.
 """
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-from .api import attention, explain
-from .autograd import alloc_out, sum_to_shape
+from .api import Plan, attention, explain, plan
+from .autograd import alloc_out, lse_shape, sum_to_shape
 from .backend import Backend
 from .dispatch import Decision
 from .errors import AttnxError, InvalidArgumentError, InvalidTypeError, NoBackendError
-from .problem import Problem, make_problem
-from .registry import get_backend, list_backends, register_backend, registered_backends
+from .inputs import Grads, Inputs
+from .merge import merge
+from .problem import Problem, make_call, make_problem
+from .registry import (get_backend, list_backends, register_backend, registered, registered_backends,
+                       unregister_backend)
 from .selection import use_backend
 
 __all__ = [
-    "attention", "explain", "use_backend", "list_backends", "register_backend", "get_backend", "registered_backends",
-    "Backend", "Problem", "Decision", "make_problem", "alloc_out", "sum_to_shape",
+    "attention", "explain", "plan", "Plan", "merge", "use_backend", "list_backends", "register_backend",
+    "unregister_backend", "registered", "get_backend", "registered_backends", "Backend", "Problem", "Inputs",
+    "Grads", "Decision", "make_call", "make_problem", "alloc_out", "lse_shape", "sum_to_shape",
     "AttnxError", "InvalidArgumentError", "InvalidTypeError", "NoBackendError", "__version__",
 ]

@@ -1,71 +1,158 @@
-"""The public entry points: `attention` and `explain`."""
+"""The public entry points: `attention`, `explain` and `plan`."""
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from .autograd import run
 from .dispatch import Decision, choose, decide
-from .errors import InvalidTypeError
-from .problem import make_problem
+from .empty import empty_attention
+from .errors import InvalidArgumentError, InvalidTypeError
+from .problem import Problem, make_call
+from .registry import get_backend
 
 
-def attention(q, k, v, *, causal=False, window=None, mask=None, scale=None, softcap=None,
-              alibi_slopes=None, layout="bhsd", backend=None, return_lse=False):
+def _check_return_lse(return_lse) -> None:
+    if not isinstance(return_lse, bool):
+        raise InvalidTypeError(f"`return_lse` must be a bool, got {return_lse!r}")
+
+
+def _execute(p: Problem, x, backend: Optional[str]):
+    if p.is_empty:
+        if backend is not None:
+            get_backend(backend)  # an unknown name is still an error
+        return empty_attention(p, x)
+    return run(p, choose(p, backend), x)
+
+
+def attention(q, k, v, *, causal=False, window=None, offset=None, mask=None, scale=None, softcap=None,
+              alibi_slopes=None, sinks=None, layout="bhsd", cu_seqlens_q=None, cu_seqlens_k=None,
+              max_seqlen_q=None, max_seqlen_k=None, seqlens_k=None, page_table=None, backend=None,
+              return_lse=False):
     """Exact scaled dot-product attention, computed by the best backend for the problem.
 
     Args:
         q: ``(B, Hq, Sq, D)`` (``layout="bhsd"``) or ``(B, Sq, Hq, D)`` (``layout="bshd"``).
         k, v: ``(B, Hkv, Sk, D)`` and ``(B, Hkv, Sk, Dv)`` in the same layout; ``Hq % Hkv == 0``
             (query head ``h`` reads kv head ``h // (Hq // Hkv)``).
-        causal: bottom-right aligned: query ``i`` sees key ``j`` iff ``j <= i + Sk - Sq``.
+        causal: query ``i`` sees key ``j`` iff ``j <= p_i`` (``p_i``: the aligned position, below).
         window: ``(left, right)``, ints >= 0 or None: query ``i`` sees ``j`` iff
-            ``p_i - left <= j <= p_i + right`` with ``p_i = i + Sk - Sq``.
+            ``p_i - left <= j <= p_i + right``.
+        offset: aligned position of query 0, ``p_i = i + offset``. None (default) is bottom-right,
+            ``Sk - Sq`` (per sequence for varlen and caches), as in flash-attn and KV-cache decoding;
+            ``0`` is top-left, what ``F.scaled_dot_product_attention(is_causal=True)`` means.
         mask: bool (True = may attend) or floating additive bias, broadcastable to ``(B, Hq, Sq, Sk)``.
         scale: score scale, default ``1 / sqrt(D)``.
         softcap: ``s = softcap * tanh(s / softcap)`` on the scaled score, before masks and bias.
         alibi_slopes: float32 ``(Hq,)`` or ``(B, Hq)``; adds ``-slope * |p_i - j|``.
-        layout: ``"bhsd"`` (torch SDPA) or ``"bshd"`` (flash-attn).
+        sinks: float32 ``(Hq,)`` attention-sink logits: each row's softmax denominator gains
+            ``exp(sinks[h])`` (a key with that score and a zero value); gradients flow to it.
+        layout: ``"bhsd"`` (torch SDPA) or ``"bshd"`` (flash-attn) for dense q, k, v.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(B + 1,)``: packed variable-length sequences, q as
+            ``(total_q, Hq, D)`` and k/v as ``(total_k, Hkv, D)``; sequence ``b`` is rows
+            ``cu[b]:cu[b + 1]``. ``max_seqlen_q``/``max_seqlen_k`` give the longest (computed,
+            with one device sync, when None).
+        seqlens_k: int32 ``(B,)``: a KV cache, sequence ``b`` uses its first ``seqlens_k[b]`` keys.
+        page_table: int32 ``(B, max_pages)``: a paged cache; k/v are page pools
+            ``(num_pages, page_size, Hkv, D)`` and key ``j`` of sequence ``b`` is row
+            ``j % page_size`` of page ``page_table[b, j // page_size]`` (needs ``seqlens_k``).
         backend: name of a registered backend to force, or None to let the dispatcher choose.
-        return_lse: also return ``lse``, float32 ``(B, Hq, Sq)``: log of the softmax denominator
-            (``-inf`` for a row that sees no key). ``lse`` is not differentiable.
+        return_lse: also return ``lse``, float32 ``(B, Hq, Sq)`` (``(Hq, total_q)`` for packed q):
+            log of the softmax denominator (``-inf`` for a row that sees no key). Not differentiable.
 
     Returns:
-        ``out`` with ``q``'s dtype, shape ``(B, Hq, Sq, Dv)`` in ``layout``; or ``(out, lse)``.
+        ``out`` with ``q``'s dtype, shape ``(B, Hq, Sq, Dv)`` in ``layout`` (``(total_q, Hq, Dv)`` for
+        packed q); or ``(out, lse)``.
 
     A query row that sees no key gets ``out = 0``, ``lse = -inf`` and zero gradients.
 
-    Equivalent PyTorch (``bhsd``, no GQA, no window/alibi/softcap)::
+    Equivalent PyTorch (``bhsd``, no GQA, window, alibi, softcap or sinks)::
 
         s = (q @ k.transpose(-2, -1)) * scale
         if causal:
-            s = s.masked_fill(~torch.ones(Sq, Sk, dtype=torch.bool).tril(Sk - Sq), float("-inf"))
+            s = s.masked_fill(~torch.ones(Sq, Sk, dtype=torch.bool).tril(offset), float("-inf"))
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
         out = torch.softmax(s, dim=-1) @ v
     """
-    if not isinstance(return_lse, bool):
-        raise InvalidTypeError(f"`return_lse` must be a bool, got {return_lse!r}")
+    _check_return_lse(return_lse)
+    options = dict(causal=causal, window=window, offset=offset, mask=mask, scale=scale, softcap=softcap,
+                   alibi_slopes=alibi_slopes, sinks=sinks, layout=layout, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                   seqlens_k=seqlens_k, page_table=page_table)
     if torch.compiler.is_compiling():
         from .compile_ops import traced_attention
 
-        out, lse = traced_attention(q, k, v, mask, alibi_slopes, causal, window, scale, softcap, layout, backend)
+        out, lse = traced_attention(q, k, v, options, backend)
     else:
-        p = make_problem(q, k, v, causal, window, mask, scale, softcap, alibi_slopes, layout)
-        out, lse = run(p, choose(p, backend), q, k, v, mask, alibi_slopes)
+        p, x = make_call(q, k, v, **options)
+        out, lse = _execute(p, x, backend)
     return (out, lse) if return_lse else out
 
 
-def explain(q, k, v, *, causal=False, window=None, mask=None, scale=None, softcap=None,
-            alibi_slopes=None, layout="bhsd", backend=None, return_lse=False) -> Decision:
-    """The dispatcher's decision for these arguments, without running anything.
+def explain(q, k, v, *, backend=None, return_lse=False, **options) -> Decision:
+    """The dispatcher's decision for `attention`'s arguments, without running anything.
 
     Returns a `Decision`: ``chosen`` (a backend name, or None) and ``reasons``
     mapping every registered backend to ``[]`` ("would work") or the reasons it
     declines. ``print(attnx.explain(q, k, v, causal=True))`` shows it as a table.
     """
-    p = make_problem(q, k, v, causal, window, mask, scale, softcap, alibi_slopes, layout)
+    _check_return_lse(return_lse)
+    p = make_call(q, k, v, **options)[0]
     if backend is not None:
-        from .registry import get_backend
-
         get_backend(backend)
     return decide(p, backend)
+
+
+class Plan:
+    """A decision made once for calls of one signature: `attnx.plan(...)` returns it.
+
+    ``plan.run(q, k, v, **tensors)`` validates the new tensors, checks they have the
+    planned signature (shapes, dtypes, device, formats) and runs the planned backend
+    without asking the dispatcher again: what a decode loop or a CUDA-graph capture wants.
+    Keyword arguments that are not tensors (``causal``, ``window``, ...) are fixed at plan time.
+    """
+
+    _TENSOR_OPTIONS = ("mask", "alibi_slopes", "sinks", "cu_seqlens_q", "cu_seqlens_k", "seqlens_k", "page_table")
+
+    def __init__(self, problem: Problem, backend, options: dict, return_lse: bool):
+        self.problem = problem
+        self.backend = backend
+        self._options = {n: v for n, v in options.items() if n not in self._TENSOR_OPTIONS}
+        self._return_lse = return_lse
+
+    def run(self, q, k, v, **tensors):
+        """``attention(q, k, v, ...)`` with the planned options and backend."""
+        unknown = set(tensors) - set(self._TENSOR_OPTIONS)
+        if unknown:
+            raise InvalidArgumentError(f"Plan.run takes tensors only; fixed at plan time: {', '.join(sorted(unknown))}")
+        p, x = make_call(q, k, v, **self._options, **tensors)
+        if p != self.problem:
+            changed = [f"{name} {getattr(self.problem, name)!r} -> {getattr(p, name)!r}"
+                       for name in Problem._fields if getattr(p, name) != getattr(self.problem, name)]
+            raise InvalidArgumentError("these tensors do not have the planned signature: " + "; ".join(changed))
+        out, lse = empty_attention(p, x) if p.is_empty else run(p, self.backend, x)
+        return (out, lse) if self._return_lse else out
+
+    __call__ = run
+
+    def __repr__(self) -> str:
+        return f"<attnx.Plan backend={getattr(self.backend, 'name', None)!r}>"
+
+
+def plan(q, k, v, *, backend=None, return_lse=False, **options) -> Plan:
+    """Decide once for `attention(q, k, v, **options)`; call the returned `Plan` with new tensors.
+
+    Example (a decode loop over a paged cache; shapes stay fixed, values change)::
+
+        step = attnx.plan(q, k_pages, v_pages, seqlens_k=lengths, page_table=table)
+        for _ in range(steps):
+            out = step.run(q, k_pages, v_pages, seqlens_k=lengths, page_table=table)
+    """
+    _check_return_lse(return_lse)
+    p = make_call(q, k, v, **options)[0]
+    chosen = None if p.is_empty else choose(p, backend)
+    if chosen is not None:
+        chosen.prepare(p)
+    return Plan(p, chosen, options, return_lse)

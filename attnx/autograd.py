@@ -1,16 +1,36 @@
-"""The one place where a backend's forward and backward become a differentiable op."""
+"""The one place where a backend's forward and backward become a differentiable op.
+
+`run_forward` / `run_backward` turn the caller's tensors into the views backends
+receive (`backend_view`) and the backend's results back into the caller's layout;
+the eager autograd Function below and the torch.compile custom ops
+(`compile_ops.py`) both call them, so neither knows the list of tensors.
+"""
 from __future__ import annotations
 
 import torch
 
+from .inputs import Grads, Inputs
 from .problem import Problem
 
 
 def alloc_out(p: Problem, q: torch.Tensor) -> torch.Tensor:
-    """An uninitialised output, contiguous in the caller's layout, returned as a (B, H, S, Dv) view."""
+    """An uninitialised output for a backend to fill.
+
+    Dense q: contiguous in the caller's layout, returned as a ``(B, H, S, Dv)`` view.
+    Varlen q: ``(total_q, Hq, Dv)``.
+    """
+    if p.q_format == "varlen":
+        return q.new_empty((q.shape[0], p.heads_q, p.head_dim_v))
     if p.layout == "bshd":
         return q.new_empty((p.batch, p.seqlen_q, p.heads_q, p.head_dim_v)).transpose(1, 2)
     return q.new_empty((p.batch, p.heads_q, p.seqlen_q, p.head_dim_v))
+
+
+def lse_shape(p: Problem, q: torch.Tensor) -> tuple:
+    """``(B, Hq, Sq)`` for dense q, ``(Hq, total_q)`` for varlen q."""
+    if p.q_format == "varlen":
+        return (p.heads_q, q.shape[0])
+    return (p.batch, p.heads_q, p.seqlen_q)
 
 
 def sum_to_shape(grad: torch.Tensor, shape: tuple) -> torch.Tensor:
@@ -19,23 +39,57 @@ def sum_to_shape(grad: torch.Tensor, shape: tuple) -> torch.Tensor:
     return grad.sum(dims, keepdim=True) if dims else grad
 
 
-def expand_mask(p: Problem, mask):
-    if mask is None:
-        return None
-    return mask.reshape(p.mask_shape).expand(p.batch, p.heads_q, p.seqlen_q, p.seqlen_k)
+def _swap_bshd(p: Problem, x: Inputs, q: bool = True, kv: bool = True) -> Inputs:
+    """Dense ``bshd`` tensors as ``(B, H, S, D)`` views (the swap is its own inverse)."""
+    if p.layout != "bshd":
+        return x
+    changes = {}
+    if q and p.q_format == "dense":
+        changes["q"] = x.q.transpose(1, 2)
+    if kv and p.kv_format in ("dense", "cache"):
+        changes["k"], changes["v"] = x.k.transpose(1, 2), x.v.transpose(1, 2)
+    return x.replace(**changes) if changes else x
 
 
-def expand_alibi(p: Problem, alibi_slopes):
-    if alibi_slopes is None:
-        return None
-    return alibi_slopes.reshape(-1 if alibi_slopes.dim() == 2 else 1, p.heads_q).expand(p.batch, p.heads_q)
+def backend_view(p: Problem, x: Inputs) -> Inputs:
+    """The caller's tensors as backends receive them (see `Inputs`)."""
+    x = _swap_bshd(p, x)
+    changes = {}
+    if x.mask is not None:
+        changes["mask"] = x.mask.reshape(p.mask_shape).expand(p.batch, p.heads_q, p.seqlen_q, p.seqlen_k)
+    if x.alibi_slopes is not None:
+        slopes = x.alibi_slopes
+        changes["alibi_slopes"] = slopes.reshape(-1 if slopes.dim() == 2 else 1, p.heads_q).expand(p.batch, p.heads_q)
+    return x.replace(**changes) if changes else x
+
+
+def _caller_out(p: Problem, out: torch.Tensor) -> torch.Tensor:
+    return out.transpose(1, 2) if p.layout == "bshd" and p.q_format == "dense" else out
+
+
+def run_forward(p: Problem, backend, x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of `backend` on the caller's tensors, ``out`` in the caller's layout."""
+    out, lse = backend.forward(p, backend_view(p, x))
+    return _caller_out(p, out), lse
+
+
+def run_backward(p: Problem, backend, x: Inputs, out, lse, dout) -> Grads:
+    """`Grads` of the caller's tensors (``dmask`` in the mask's own shape)."""
+    view = backend_view(p, x)
+    grads = backend.backward(p, view, _caller_out(p, out), lse, _caller_out(p, dout))
+    swapped = _swap_bshd(p, Inputs(grads.dq, grads.dk, grads.dv))
+    dmask = grads.dmask.reshape(x.mask.shape) if grads.dmask is not None else None
+    return Grads(swapped.q, swapped.k, swapped.v, dmask, grads.dsinks)
 
 
 class _AttentionFunction(torch.autograd.Function):
+    """``apply(p, backend, *Inputs fields)`` -> ``(out, lse)``; gradients for `Inputs.DIFFERENTIABLE`."""
+
     @staticmethod
-    def forward(ctx, q, k, v, mask, alibi_slopes, p, backend):
-        out, lse = backend.forward(p, q, k, v, expand_mask(p, mask), expand_alibi(p, alibi_slopes))
-        ctx.save_for_backward(q, k, v, mask, alibi_slopes, out, lse)
+    def forward(ctx, p, backend, *tensors):
+        x = Inputs.from_tuple(tensors)
+        out, lse = run_forward(p, backend, x)
+        ctx.save_for_backward(*tensors, out, lse)
         ctx.problem, ctx.backend = p, backend
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -43,40 +97,16 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
-        q, k, v, mask, alibi_slopes, out, lse = ctx.saved_tensors
-        p = ctx.problem
-        dq, dk, dv, dmask = ctx.backend.backward(
-            p, q, k, v, expand_mask(p, mask), expand_alibi(p, alibi_slopes), out, lse, dout)
-        if dmask is not None:
-            dmask = dmask.reshape(mask.shape)
-        return dq, dk, dv, dmask, None, None, None
+        *tensors, out, lse = ctx.saved_tensors
+        x = Inputs.from_tuple(tensors)
+        grads = run_backward(ctx.problem, ctx.backend, x, out, lse, dout)
+        return (None, None) + tuple(
+            grads.of(name) if name in Inputs.DIFFERENTIABLE and ctx.needs_input_grad[2 + i] else None
+            for i, name in enumerate(Inputs.field_names()))
 
 
-def to_bhsd(p: Problem, t: torch.Tensor) -> torch.Tensor:
-    return t.transpose(1, 2) if p.layout == "bshd" else t
-
-
-def run(p: Problem, backend, q, k, v, mask, alibi_slopes):
-    """Run `backend` on the caller's tensors; returns (out, lse) with out in the caller's layout."""
-    if p.layout == "bshd":
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+def run(p: Problem, backend, x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run `backend` on the caller's tensors, through autograd when `p` needs gradients."""
     if p.needs_grad:
-        out, lse = _AttentionFunction.apply(q, k, v, mask, alibi_slopes, p, backend)
-    else:
-        out, lse = backend.forward(p, q, k, v, expand_mask(p, mask), expand_alibi(p, alibi_slopes))
-    if p.layout == "bshd":
-        out = out.transpose(1, 2)
-    return out, lse
-
-
-def run_backward(p: Problem, backend, q, k, v, mask, alibi_slopes, out, lse, dout):
-    """Backward on the caller's tensors (used by the torch.compile custom op)."""
-    if p.layout == "bshd":
-        q, k, v, out, dout = (t.transpose(1, 2) for t in (q, k, v, out, dout))
-    dq, dk, dv, dmask = backend.backward(
-        p, q, k, v, expand_mask(p, mask), expand_alibi(p, alibi_slopes), out, lse, dout)
-    if p.layout == "bshd":
-        dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-    if dmask is not None:
-        dmask = dmask.reshape(mask.shape)
-    return dq, dk, dv, dmask
+        return _AttentionFunction.apply(p, backend, *x.as_tuple())
+    return run_forward(p, backend, x)

@@ -9,11 +9,12 @@ Backend-specific limits go in `extra_reasons`.
 from __future__ import annotations
 
 import functools
-from typing import ClassVar, Optional
+from typing import ClassVar, Mapping, Optional
 
 import torch
 
 from .capability import has_module
+from .inputs import Grads, Inputs
 from .problem import Problem
 
 ALL_FLOAT = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -48,6 +49,15 @@ class Backend:
     supports_softcap: ClassVar[bool] = True
     supports_backward: ClassVar[bool] = True
     deterministic: ClassVar[bool] = True
+    uses_tf32: ClassVar[bool] = False                      # float32 products on TF32 units (looser bound)
+    # features added to the contract later default to "not supported", so a backend
+    # written before them declines instead of computing something else
+    supports_offset: ClassVar[bool] = False               # an explicit (not bottom-right) alignment
+    supports_sinks: ClassVar[bool] = False
+    formats: ClassVar[frozenset] = frozenset({("dense", "dense")})  # (q format, kv format) pairs
+    # Where the backend stands, by device class (most specific key wins: "cuda:sm_90",
+    # "cuda:nvidia", "cuda", "*"); higher runs first. Set from measurements (docs/backends.md).
+    priority: ClassVar[Mapping[str, int]] = {"*": 0}
     # what it needs installed: import names, and the hint printed when they are missing
     required_modules: ClassVar[tuple] = ()
     install_hint: ClassVar[str] = ""
@@ -126,6 +136,13 @@ class Backend:
             reasons.append("alibi_slopes not supported")
         if p.softcap is not None and not self.supports_softcap:
             reasons.append("softcap not supported")
+        if p.offset is not None and not self.supports_offset:
+            reasons.append(f"an explicit alignment offset ({p.offset}) not supported (bottom-right only)")
+        if p.has_sinks and not self.supports_sinks:
+            reasons.append("attention sinks not supported")
+        if (p.q_format, p.kv_format) not in self.formats:
+            reasons.append(f"tensor format q={p.q_format}, k/v={p.kv_format} not supported (needs "
+                           + ", ".join(f"{qf}/{kf}" for qf, kf in sorted(self.formats)) + ")")
         if p.needs_grad and not self.supports_backward:
             reasons.append("backward (inputs require grad) not supported")
         elif p.deterministic and not self.deterministic:
@@ -136,25 +153,37 @@ class Backend:
         """Override: limits that the declarations above cannot express."""
         return []
 
-    # -- compute -----------------------------------------------------------------------
-    def forward(self, p: Problem, q, k, v, mask, alibi_slopes):
-        """Return ``(out, lse)``.
+    # -- priority ----------------------------------------------------------------------
+    def rank(self, p: Problem) -> int:
+        """Where this backend stands for `p` (higher first): the most specific `priority` entry.
 
-        ``q, k, v`` are ``(B, H, S, D)`` views in any strides; ``mask`` is None or a
-        view expanded to ``(B, Hq, Sq, Sk)`` (zero strides where it broadcasts);
-        ``alibi_slopes`` is None or a float32 ``(B, Hq)`` view. ``out`` must be made
-        with `attnx.alloc_out` (so it comes back in the caller's layout), ``lse`` is
-        float32 ``(B, Hq, Sq)``.
+        Override only for a size rule; `p` is the dispatch key (`Problem.bucketed`).
+        """
+        for device_class in p.device_classes:
+            if device_class in self.priority:
+                return self.priority[device_class]
+        return 0
+
+    # -- compute -----------------------------------------------------------------------
+    def forward(self, p: Problem, x: Inputs):
+        """Return ``(out, lse)`` for the tensors in `x` (`attnx.Inputs` says their shapes).
+
+        Dense format: ``out`` must be made with `attnx.alloc_out` (so it comes back in the
+        caller's layout), ``lse`` is float32 ``(B, Hq, Sq)``. Varlen q: ``out`` is
+        ``(total_q, Hq, Dv)`` and ``lse`` float32 ``(Hq, total_q)``.
         """
         raise NotImplementedError(f"backend {self.name!r} did not implement forward")
 
-    def backward(self, p: Problem, q, k, v, mask, alibi_slopes, out, lse, dout):
-        """Return ``(dq, dk, dv, dmask)`` for the forward's inputs.
-
-        ``dmask`` is None unless ``p.mask_requires_grad``; then it has shape
-        ``p.mask_shape`` (gradient summed over the dimensions the mask broadcasts).
-        """
+    def backward(self, p: Problem, x: Inputs, out, lse, dout) -> Grads:
+        """Return the `Grads` of the forward's differentiable inputs (`attnx.Grads` says which)."""
         raise NotImplementedError(f"backend {self.name!r} did not implement backward")
+
+    def prepare(self, p: Problem) -> None:
+        """Override: get ready for `p` (compile kernels, pick launch parameters); `attnx.plan` calls it."""
+
+    def doctor_details(self) -> dict:
+        """Override: extra facts for ``python -m attnx.doctor`` (e.g. first-call compile time)."""
+        return {}
 
     def __repr__(self) -> str:
         return f"<attnx backend {self.name!r}>"

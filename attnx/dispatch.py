@@ -1,46 +1,28 @@
 """Priority policy: which accepting backend runs a problem. Nothing else lives here.
 
-Backends say what they accept (`Backend.reasons`); this module only orders them
-and caches the decision on the problem's signature.
+Backends say what they accept (`Backend.reasons`) and where they stand
+(`Backend.rank`, from their `priority` tables); this module only orders them and
+caches the decision on the problem's dispatch key (`Problem.bucketed`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
+from . import registry
 from .errors import NoBackendError
 from .problem import Problem
-from .registry import get_backend, registered_backends
 from .selection import allowed_backends
 
-# Best first. Compiled kernels beat the torch-op backends wherever they accept.
-PRIORITY = ("cuda", "triton", "blocked", "naive")
-# On Hopper, Triton's tl.dot lowers to wgmma while the cuda backend's kernels are the
-# Ampere-class mma.sync family: on the H200 (2026-11-29, bf16, d64/d128, S 512..16k)
-# triton ran 5-45% faster, forward and forward+backward (benchmarks/results/h200-2026-11-29).
-TRITON_FIRST_FROM_CAPABILITY = (9, 0)
-# On the CPU the plain formula wins while the whole score matrix is small. Measured on a 2-core
-# EPYC (fp32, D=64, fwd and fwd+bwd, causal or not): naive ~10% faster at 64k scores, blocked
-# 10-40% faster at 128k and 1.5-4x at 256k+ (benchmarks/ docs/benchmarks.md).
-NAIVE_MAX_SCORES = 1 << 16
 _CACHE_LIMIT = 4096
 _cache: dict = {}
 
 
 def priority(p: Problem) -> list[str]:
-    """Registered backend names, best first, for this problem."""
-    order = list(PRIORITY)
-    capability = p.capability
-    if capability is not None and capability >= TRITON_FIRST_FROM_CAPABILITY:
-        order.remove("triton")
-        order.insert(order.index("cuda"), "triton")
-    # naive repeats K/V per query head, so under GQA blocked (which batches the group) stays ahead
-    if (p.device_type != "cuda" and p.heads_q == p.heads_kv
-            and p.batch * p.heads_q * p.seqlen_q * p.seqlen_k <= NAIVE_MAX_SCORES):
-        order.remove("naive")
-        order.insert(order.index("blocked"), "naive")
-    names = [n for n in order if n in registered_backends()]
-    return names + [n for n in registered_backends() if n not in names]
+    """Registered backend names, best first, for this problem (ties keep registration order)."""
+    key = p.bucketed()
+    backends = registry.registered_backends()
+    return sorted(backends, key=lambda name: -backends[name].rank(key))
 
 
 @dataclass(frozen=True)
@@ -66,7 +48,7 @@ def decide(p: Problem, forced: Optional[str] = None) -> Decision:
     allowed = (forced,) if forced is not None else allowed_backends()
     order = priority(p)
     considered = tuple(n for n in order if allowed is None or n in allowed)
-    reasons = {name: get_backend(name).reasons(p) for name in order}
+    reasons = {name: registry.get_backend(name).reasons(p) for name in order}
     chosen = next((n for n in considered if not reasons[n]), None)
     return Decision(p, chosen, reasons, considered)
 
@@ -74,12 +56,12 @@ def decide(p: Problem, forced: Optional[str] = None) -> Decision:
 def choose(p: Problem, forced: Optional[str] = None):
     """The backend object that runs `p`; raises NoBackendError listing every reason."""
     allowed = (forced,) if forced is not None else allowed_backends()
-    key = (p, allowed)
+    key = (p.bucketed(), allowed, registry.generation())
     backend = _cache.get(key)
     if backend is not None:
         return backend
     if forced is not None:
-        get_backend(forced)  # unknown names raise ValueError
+        registry.get_backend(forced)  # unknown names raise
     decision = decide(p, forced)
     if decision.chosen is None:
         declined = {n: decision.reasons[n] for n in decision.considered}
@@ -92,7 +74,7 @@ def choose(p: Problem, forced: Optional[str] = None):
         raise NoBackendError(message, declined)
     if len(_cache) >= _CACHE_LIMIT:
         _cache.clear()
-    backend = _cache[key] = get_backend(decision.chosen)
+    backend = _cache[key] = registry.get_backend(decision.chosen)
     return backend
 
 

@@ -46,10 +46,11 @@ def _backend_rows() -> list[dict]:
     for backend in registered_backends().values():
         row = {"name": backend.name, "available": backend.available,
                "reasons": list(backend.unavailable_reasons), "description": backend.description}
-        report = getattr(backend, "doctor_details", None)
-        if report is not None and backend.available:
+        if backend.available:
             try:
-                row["details"] = report()
+                details = backend.doctor_details()
+                if details:
+                    row["details"] = details
             except Exception as err:  # the doctor reports a broken backend, it does not die of it
                 row["details"] = {"error": f"{type(err).__name__}: {err}"}
         rows.append(row)

@@ -1,8 +1,11 @@
-"""The frozen record of one attention call, and the validation that builds it.
+"""The frozen signature of one attention call, and the one constructor that validates it.
 
 `Problem` holds the call's signature (no tensors), so dispatch decisions can be
-cached on it. `make_problem` checks every argument of SPEC.md and raises a typed
-error naming the argument before any kernel runs.
+cached on it. `Problem.create` is the only way to build one (keyword-only; it folds
+``causal`` into the window, resolves the default scale and checks every scalar
+option). `make_call` checks the tensors of `attnx.attention` against the contract
+in docs/semantics.md, raising a typed error naming the argument before any kernel
+runs, and returns the `Problem` with the call's `Inputs`.
 """
 from __future__ import annotations
 
@@ -14,16 +17,31 @@ import torch
 
 from .capability import device_arch
 from .errors import InvalidArgumentError, InvalidTypeError
+from .inputs import Inputs
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 LAYOUTS = ("bhsd", "bshd")
+Q_FORMATS = ("dense", "varlen")
+KV_FORMATS = ("dense", "varlen", "cache", "paged")
+# (q format, kv format) pairs the contract defines; dense q reads one kv sequence per batch entry
+FORMAT_PAIRS = frozenset({("dense", "dense"), ("dense", "cache"), ("dense", "paged"),
+                          ("varlen", "varlen"), ("varlen", "cache"), ("varlen", "paged")})
+
+
+def length_bucket(n: int) -> int:
+    """The power of two at or above ``n`` (0 for 0): sizes in one bucket share a dispatch decision."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
 class Problem(NamedTuple):
     """Signature of an attention call; every backend decides from it alone.
 
-    Sizes are in the ``bhsd`` sense whatever the layout. ``window_left`` and
-    ``window_right`` already include ``causal`` (``None`` = unbounded).
+    Sizes are in the ``bhsd`` sense whatever the layout. For the varlen, cache and
+    paged formats ``batch`` is the number of sequences and ``seqlen_q``/``seqlen_k``
+    the longest query sequence and the key capacity. ``window_left``/``window_right``
+    already include ``causal`` (``None`` = unbounded). ``offset`` is the aligned
+    position of query 0 (``None``: bottom-right, ``Sk - Sq`` per sequence).
+    Build one with `Problem.create`.
     """
 
     device_type: str          # "cpu", "cuda", "mps", ...
@@ -41,16 +59,78 @@ class Problem(NamedTuple):
     causal: bool
     window_left: Optional[int]
     window_right: Optional[int]
-    mask_kind: Optional[str]  # None, "bool" or "additive"
+    offset: Optional[int]
+    mask_kind: Optional[str]     # None, "bool" or "additive"
     mask_shape: Optional[tuple]  # the mask's shape left-padded to 4-D
     mask_requires_grad: bool
     has_alibi: bool
+    has_sinks: bool
     softcap: Optional[float]
     scale: float
     needs_grad: bool
     # torch.use_deterministic_algorithms(True) while gradients are needed: the backward
     # must give bitwise-identical results run to run (no floating-point atomics)
-    deterministic: bool = False
+    deterministic: bool
+    q_format: str
+    kv_format: str
+    page_size: Optional[int]     # paged kv only
+
+    @classmethod
+    def create(cls, *, dtype: torch.dtype, batch: int, heads_q: int, seqlen_q: int, head_dim: int,
+               heads_kv: Optional[int] = None, seqlen_k: Optional[int] = None, head_dim_v: Optional[int] = None,
+               device=None, vendor: Optional[str] = None, arch: Optional[str] = None, layout: str = "bhsd",
+               causal=False, window=None, offset=None, mask_kind: Optional[str] = None,
+               mask_shape: Optional[tuple] = None, mask_requires_grad: bool = False, alibi: bool = False,
+               sinks: bool = False, softcap=None, scale=None, needs_grad: bool = False,
+               deterministic: Optional[bool] = None, q_format: str = "dense", kv_format: str = "dense",
+               page_size: Optional[int] = None) -> "Problem":
+        """The one constructor: checks and normalises every scalar option.
+
+        ``device`` is a torch device or string (default CPU); ``vendor``/``arch`` override
+        what it would report (to describe a GPU that is not here). ``deterministic``
+        defaults to torch's setting when gradients are needed.
+        """
+        device_type, vendor, arch = _device_fields(device, vendor, arch)
+        if layout not in LAYOUTS:
+            raise InvalidArgumentError(f"`layout` must be 'bhsd' or 'bshd', got {layout!r}")
+        if (q_format, kv_format) not in FORMAT_PAIRS:
+            raise InvalidArgumentError(f"tensor formats q={q_format!r}, k/v={kv_format!r} are not a valid pair")
+        heads_kv = heads_q if heads_kv is None else heads_kv
+        seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        if heads_kv > 0 and heads_q % heads_kv:
+            raise InvalidArgumentError(f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
+        if heads_kv == 0 and heads_q:
+            raise InvalidArgumentError(f"{heads_q} query heads need at least one key/value head")
+        if not isinstance(causal, bool):
+            raise InvalidTypeError(f"`causal` must be a bool, got {causal!r}")
+        window_left = window_right = None
+        if window is not None:
+            if not isinstance(window, (tuple, list)) or len(window) != 2:
+                raise InvalidTypeError(f"`window` must be a (left, right) pair, got {window!r}")
+            window_left = _window_side("left", window[0])
+            window_right = _window_side("right", window[1])
+        if causal:
+            window_right = 0 if window_right is None else min(window_right, 0)
+        offset = _offset(offset, seqlen_q, seqlen_k, q_format, kv_format)
+        if scale is None:
+            scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+        else:
+            scale = _finite_float("scale", scale)
+        if softcap is not None:
+            softcap = _finite_float("softcap", softcap)
+            if softcap <= 0:
+                raise InvalidArgumentError(f"`softcap` must be a finite float > 0 or None, got {softcap}")
+        if deterministic is None:
+            deterministic = torch.are_deterministic_algorithms_enabled()
+        return cls(device_type=device_type, vendor=vendor, arch=arch, dtype=dtype, batch=batch, heads_q=heads_q,
+                   heads_kv=heads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim,
+                   head_dim_v=head_dim_v, layout=layout, causal=causal, window_left=window_left,
+                   window_right=window_right, offset=offset, mask_kind=mask_kind, mask_shape=mask_shape,
+                   mask_requires_grad=bool(mask_requires_grad and needs_grad), has_alibi=bool(alibi),
+                   has_sinks=bool(sinks), softcap=softcap, scale=scale, needs_grad=bool(needs_grad),
+                   deterministic=bool(deterministic and needs_grad), q_format=q_format, kv_format=kv_format,
+                   page_size=page_size)
 
     @property
     def capability(self) -> Optional[tuple[int, int]]:
@@ -71,146 +151,300 @@ class Problem(NamedTuple):
 
     @property
     def group_size(self) -> int:
-        return self.heads_q // self.heads_kv
+        return self.heads_q // self.heads_kv if self.heads_kv else 1
 
     @property
     def key_offset(self) -> int:
-        """Aligned position of query i is ``i + key_offset`` (bottom-right alignment)."""
-        return self.seqlen_k - self.seqlen_q
+        """Aligned position of query 0 for the dense format: query ``i`` sits at ``i + key_offset``."""
+        return self.seqlen_k - self.seqlen_q if self.offset is None else self.offset
+
+    @property
+    def is_dense(self) -> bool:
+        return self.q_format == "dense" and self.kv_format == "dense"
+
+    @property
+    def is_empty(self) -> bool:
+        """A dense problem with a zero-size dimension: its result needs no kernel."""
+        return self.is_dense and 0 in (self.batch, self.heads_q, self.seqlen_q, self.seqlen_k)
+
+    @property
+    def device_classes(self) -> tuple[str, ...]:
+        """Keys a backend's priority table is looked up by, most specific first."""
+        return (f"{self.device_type}:{self.arch}", f"{self.device_type}:{self.vendor}", self.device_type, "*")
+
+    def bucketed(self) -> "Problem":
+        """The problem's dispatch key: lengths and offset rounded to powers of two.
+
+        Backends keep every length-dependent limit at a power of two, so a decision made
+        for one problem holds for its whole bucket (a decode loop's growing Sk re-asks
+        the backends once per doubling, not once per token).
+        """
+        offset = self.offset
+        if offset is not None:
+            offset = length_bucket(offset) if offset >= 0 else -length_bucket(-offset)
+        mask_shape = self.mask_shape and tuple(length_bucket(n) for n in self.mask_shape)
+        return self._replace(seqlen_q=length_bucket(self.seqlen_q), seqlen_k=length_bucket(self.seqlen_k),
+                             offset=offset, mask_shape=mask_shape)
 
 
-def _check_tensor(name: str, t) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise InvalidTypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 4:
-        raise InvalidArgumentError(f"`{name}` must be 4-D (B, H, S, D) or (B, S, H, D), got shape {tuple(t.shape)}")
-    if t.dtype not in FLOAT_DTYPES:
-        raise InvalidTypeError(f"`{name}` must be float16, bfloat16, float32 or float64, got {t.dtype}")
+# -- scalar options ---------------------------------------------------------------------
+def _device_fields(device, vendor, arch) -> tuple[str, str, str]:
+    device = torch.device("cpu" if device is None else device)
+    if vendor is None or arch is None:
+        found_vendor, found_arch = device_arch(device)
+        vendor, arch = vendor or found_vendor, arch or found_arch
+    return device.type, vendor, arch
+
+
+def _integer(name: str, value) -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)  # ints, numpy integers, 0-d integer tensors
+    except TypeError:
+        raise InvalidTypeError(f"{name} must be an int, got {value!r}") from None
 
 
 def _window_side(name: str, value) -> Optional[int]:
     if value is None:
         return None
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        value = operator.index(value)  # ints, numpy integers, 0-d integer tensors
-    except TypeError:
-        raise InvalidTypeError(f"`window` {name} must be an int >= 0 or None, got {value!r}") from None
+    value = _integer(f"`window` {name}", value)
     if value < 0:
         raise InvalidArgumentError(f"`window` {name} must be >= 0 or None, got {value}")
     return value
 
 
+def _offset(value, seqlen_q: int, seqlen_k: int, q_format: str, kv_format: str) -> Optional[int]:
+    """None (bottom-right) or an int; an int equal to the dense bottom-right offset is stored as None."""
+    if value is None:
+        return None
+    value = _integer("`offset`", value)
+    if abs(value) >= 1 << 30:
+        raise InvalidArgumentError(f"`offset` must lie in (-2**30, 2**30), got {value}")
+    if q_format == "dense" and kv_format == "dense" and value == seqlen_k - seqlen_q:
+        return None
+    return value
+
+
+def _finite_float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidTypeError(f"`{name}` must be a float, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise InvalidArgumentError(f"`{name}` must be finite, got {value}")
+    return value
+
+
+# -- tensors --------------------------------------------------------------------------------
+def _check_tensor(name: str, t, rank: int, what: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise InvalidTypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != rank:
+        raise InvalidArgumentError(f"`{name}` must be {rank}-D {what}, got shape {tuple(t.shape)}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise InvalidTypeError(f"`{name}` must be float16, bfloat16, float32 or float64, got {t.dtype}")
+
+
+def _check_index(name: str, t, length: Optional[int], device) -> int:
+    """An int32 1-D (length given) or 2-D index tensor on `device`; returns its first dim."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidTypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise InvalidTypeError(f"`{name}` must be int32, got {t.dtype}")
+    want_rank = 1 if length is not None or name != "page_table" else 2
+    if t.dim() != want_rank:
+        raise InvalidArgumentError(f"`{name}` must be {want_rank}-D, got shape {tuple(t.shape)}")
+    if length is not None and t.shape[0] != length:
+        raise InvalidArgumentError(f"`{name}` must have {length} entries, got {t.shape[0]}")
+    if t.device != device:
+        raise InvalidArgumentError(f"`{name}` must be on {device}, got {t.device}")
+    return t.shape[0]
+
+
 def _broadcastable(shape: tuple, target: tuple) -> bool:
     if len(shape) > len(target):
         return False
-    for have, want in zip(reversed(shape), reversed(target)):
-        if have != want and have != 1:
-            return False
-    return True
+    return all(have in (want, 1) for have, want in zip(reversed(shape), reversed(target)))
 
 
-def make_problem(q, k, v, causal=False, window=None, mask=None, scale=None,
-                 softcap=None, alibi_slopes=None, layout="bhsd") -> Problem:
-    """Validate the arguments of `attnx.attention` and describe the call."""
-    _check_tensor("q", q)
-    _check_tensor("k", k)
-    _check_tensor("v", v)
+def _max_length(name: str, given, cu: torch.Tensor) -> int:
+    if given is not None:
+        given = _integer(f"`{name}`", given)
+        if given < 0:
+            raise InvalidArgumentError(f"`{name}` must be >= 0, got {given}")
+        return given
+    return int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0  # one host sync
+
+
+class _Sizes(NamedTuple):
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    head_dim_v: int
+    page_size: Optional[int]
+
+
+def _sizes(x: Inputs, layout: str, q_format: str, kv_format: str, max_seqlen_q, max_seqlen_k) -> _Sizes:
+    """Every size of the call, with the shape checks of each tensor format."""
+    q, k, v = x.q, x.k, x.v
+    bshd = layout == "bshd"
+    if q_format == "varlen":
+        _check_tensor("q", q, 3, "(total_q, Hq, D)")
+        _, heads_q, head_dim = q.shape
+        batch = _check_index("cu_seqlens_q", x.cu_seqlens_q, None, q.device) - 1
+        if batch < 0:
+            raise InvalidArgumentError("`cu_seqlens_q` needs at least one entry (B + 1 offsets)")
+        seqlen_q = _max_length("max_seqlen_q", max_seqlen_q, x.cu_seqlens_q)
+    else:
+        _check_tensor("q", q, 4, "(B, H, S, D) or (B, S, H, D)")
+        batch, seqlen_q, heads_q, head_dim = q.shape if bshd else (q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+    page_size = None
+    if kv_format == "varlen":
+        for name, t in (("k", k), ("v", v)):
+            _check_tensor(name, t, 3, "(total_k, Hkv, D)")
+        _check_index("cu_seqlens_k", x.cu_seqlens_k, batch + 1, q.device)
+        if k.shape[0] != v.shape[0]:
+            raise InvalidArgumentError(f"`k` and `v` must hold the same tokens, got {k.shape[0]} and {v.shape[0]}")
+        seqlen_k = _max_length("max_seqlen_k", max_seqlen_k, x.cu_seqlens_k)
+        (_, heads_kv, kd), (_, vh, head_dim_v) = k.shape, v.shape
+    elif kv_format == "paged":
+        for name, t in (("k", k), ("v", v)):
+            _check_tensor(name, t, 4, "page pool (num_pages, page_size, Hkv, D)")
+        pages, page_size, heads_kv, kd = k.shape
+        vp, vps, vh, head_dim_v = v.shape
+        if (vp, vps) != (pages, page_size):
+            raise InvalidArgumentError(f"`k` and `v` pools differ in pages: {tuple(k.shape)} and {tuple(v.shape)}")
+        if page_size < 1:
+            raise InvalidArgumentError("`k`/`v` pages must hold at least one token")
+        if _check_index("page_table", x.page_table, None, q.device) != batch:
+            raise InvalidArgumentError(f"`page_table` must have one row per sequence ({batch}), "
+                                       f"got {x.page_table.shape[0]}")
+        seqlen_k = x.page_table.shape[1] * page_size
+    else:
+        for name, t in (("k", k), ("v", v)):
+            _check_tensor(name, t, 4, "(B, H, S, D) or (B, S, H, D)")
+        (kb, seqlen_k, heads_kv, kd) = k.shape if bshd else (k.shape[0], k.shape[2], k.shape[1], k.shape[3])
+        (vb, vs, vh, head_dim_v) = v.shape if bshd else (v.shape[0], v.shape[2], v.shape[1], v.shape[3])
+        if kb != batch or vb != batch:
+            raise InvalidArgumentError(f"batch sizes of `q`, `k`, `v` differ: {batch}, {kb}, {vb}")
+        if vs != seqlen_k:
+            raise InvalidArgumentError(f"`v` must have the sequence length of `k` ({seqlen_k}), got {vs}")
+    if kv_format in ("cache", "paged"):
+        _check_index("seqlens_k", x.seqlens_k, batch, q.device)
+    if kd != head_dim:
+        raise InvalidArgumentError(f"`k` head dim must equal `q` head dim {head_dim}, got {kd}")
+    if vh != heads_kv:
+        raise InvalidArgumentError(f"`v` must have the heads of `k` ({heads_kv}), got {vh}")
+    if head_dim < 1 or head_dim_v < 1:
+        raise InvalidArgumentError(f"head dims must be >= 1, got D={head_dim}, Dv={head_dim_v}")
+    if heads_kv == 0 and heads_q == 0:
+        heads_kv = 0
+    elif heads_kv == 0 or heads_q % heads_kv:
+        raise InvalidArgumentError(f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
+    return _Sizes(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, head_dim_v, page_size)
+
+
+def _formats(x: Inputs) -> tuple[str, str]:
+    q_format = "varlen" if x.cu_seqlens_q is not None else "dense"
+    if x.cu_seqlens_k is not None:
+        kv_format = "varlen"
+    elif x.page_table is not None:
+        kv_format = "paged"
+    elif x.seqlens_k is not None:
+        kv_format = "cache"
+    else:
+        kv_format = "dense"
+    if (q_format, kv_format) not in FORMAT_PAIRS:
+        raise InvalidArgumentError(
+            "`cu_seqlens_q` (packed queries) needs packed keys (`cu_seqlens_k`) or a cache (`seqlens_k`, "
+            "`page_table`); `cu_seqlens_k` needs `cu_seqlens_q`")
+    if kv_format == "paged" and x.seqlens_k is None:
+        raise InvalidArgumentError("a paged cache (`page_table`) needs `seqlens_k`, the used length of each sequence")
+    if x.cu_seqlens_k is not None and (x.page_table is not None or x.seqlens_k is not None):
+        raise InvalidArgumentError("give packed keys (`cu_seqlens_k`) or a cache (`seqlens_k`/`page_table`), not both")
+    return q_format, kv_format
+
+
+def _mask_fields(mask, target: tuple, device, dense: bool):
+    if mask is None:
+        return None, None
+    if not isinstance(mask, torch.Tensor):
+        raise InvalidTypeError(f"`mask` must be a torch.Tensor or None, got {type(mask).__name__}")
+    if not dense:
+        raise InvalidArgumentError("`mask` needs dense q, k and v (not the varlen, cache or paged formats)")
+    if mask.dtype == torch.bool:
+        kind = "bool"
+    elif mask.dtype.is_floating_point:
+        kind = "additive"
+    else:
+        raise InvalidTypeError(f"`mask` must be bool (True = may attend) or floating (additive), got {mask.dtype}")
+    if mask.device != device:
+        raise InvalidArgumentError(f"`mask` must be on {device}, got {mask.device}")
+    if not _broadcastable(tuple(mask.shape), target):
+        raise InvalidArgumentError(f"`mask` of shape {tuple(mask.shape)} does not broadcast to (B, Hq, Sq, Sk) = {target}")
+    return kind, (1,) * (4 - mask.dim()) + tuple(mask.shape)
+
+
+def _check_vector(name: str, t, shapes: tuple, device, what: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise InvalidTypeError(f"`{name}` must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise InvalidTypeError(f"`{name}` must be float32, got {t.dtype}")
+    if tuple(t.shape) not in shapes:
+        raise InvalidArgumentError(f"`{name}` must have shape {what}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise InvalidArgumentError(f"`{name}` must be on {device}, got {t.device}")
+
+
+def grad_names(x: Inputs) -> frozenset:
+    """Names of the inputs autograd needs gradients for (none while grad mode is off)."""
+    if not torch.is_grad_enabled():
+        return frozenset()
+    return frozenset(name for name in Inputs.DIFFERENTIABLE
+                     if (t := getattr(x, name)) is not None and t.is_floating_point() and t.requires_grad)
+
+
+def make_call(q, k, v, *, causal=False, window=None, offset=None, mask=None, scale=None, softcap=None,
+              alibi_slopes=None, sinks=None, layout="bhsd", cu_seqlens_q=None, cu_seqlens_k=None,
+              max_seqlen_q=None, max_seqlen_k=None, seqlens_k=None, page_table=None,
+              grad_inputs=None) -> tuple[Problem, Inputs]:
+    """Validate the arguments of `attnx.attention`; return its `Problem` and `Inputs`.
+
+    ``grad_inputs`` names the inputs that need gradients (default: `grad_names`; the
+    torch.compile ops pass what they recorded while tracing).
+    """
     if layout not in LAYOUTS:
         raise InvalidArgumentError(f"`layout` must be 'bhsd' or 'bshd', got {layout!r}")
+    x = Inputs(q, k, v, mask, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqlens_k, page_table)
+    q_format, kv_format = _formats(x)
+    sizes = _sizes(x, layout, q_format, kv_format, max_seqlen_q, max_seqlen_k)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise InvalidTypeError(f"`q`, `k` and `v` must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     device = q.device
     if k.device != device or v.device != device:
         raise InvalidArgumentError(f"`q`, `k` and `v` must be on one device, got {device}, {k.device}, {v.device}")
-    if layout == "bhsd":
-        batch, heads_q, seqlen_q, head_dim = q.shape
-        kb, heads_kv, seqlen_k, kd = k.shape
-        vb, vh, vs, head_dim_v = v.shape
-    else:
-        batch, seqlen_q, heads_q, head_dim = q.shape
-        kb, seqlen_k, heads_kv, kd = k.shape
-        vb, vs, vh, head_dim_v = v.shape
-    if kb != batch or vb != batch:
-        raise InvalidArgumentError(f"batch sizes of `q`, `k`, `v` differ: {batch}, {kb}, {vb}")
-    if min(batch, heads_q, seqlen_q, head_dim, heads_kv, seqlen_k, head_dim_v) < 1:
-        empty = next(n for n, t in (("q", q), ("k", k), ("v", v)) if t.numel() == 0)
-        raise InvalidArgumentError(
-            f"`{empty}` has a zero-size dimension: every size must be >= 1; got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)} ({layout})")
-    if kd != head_dim:
-        raise InvalidArgumentError(f"`k` head dim must equal `q` head dim {head_dim}, got {kd}")
-    if vh != heads_kv or vs != seqlen_k:
-        raise InvalidArgumentError(
-            f"`v` must have the heads and sequence length of `k` ({heads_kv}, {seqlen_k}), got ({vh}, {vs})")
-    if heads_q % heads_kv:
-        raise InvalidArgumentError(f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
-
-    if not isinstance(causal, bool):
-        raise InvalidTypeError(f"`causal` must be a bool, got {causal!r}")
-    window_left = window_right = None
-    if window is not None:
-        if not isinstance(window, (tuple, list)) or len(window) != 2:
-            raise InvalidTypeError(f"`window` must be a (left, right) pair, got {window!r}")
-        window_left = _window_side("left", window[0])
-        window_right = _window_side("right", window[1])
-    if causal:
-        window_right = 0 if window_right is None else min(window_right, 0)
-
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    else:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise InvalidTypeError(f"`scale` must be a float, got {scale!r}")
-        scale = float(scale)
-        if not math.isfinite(scale):
-            raise InvalidArgumentError(f"`scale` must be finite, got {scale}")
-    if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-            raise InvalidTypeError(f"`softcap` must be a float > 0 or None, got {softcap!r}")
-        softcap = float(softcap)
-        if not (softcap > 0 and math.isfinite(softcap)):
-            raise InvalidArgumentError(f"`softcap` must be a finite float > 0 or None, got {softcap}")
-
-    mask_kind = mask_shape = None
-    mask_requires_grad = False
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor):
-            raise InvalidTypeError(f"`mask` must be a torch.Tensor or None, got {type(mask).__name__}")
-        if mask.dtype == torch.bool:
-            mask_kind = "bool"
-        elif mask.dtype.is_floating_point:
-            mask_kind = "additive"
-            mask_requires_grad = mask.requires_grad
-        else:
-            raise InvalidTypeError(f"`mask` must be bool (True = may attend) or floating (additive), got {mask.dtype}")
-        if mask.device != device:
-            raise InvalidArgumentError(f"`mask` must be on {device}, got {mask.device}")
-        target = (batch, heads_q, seqlen_q, seqlen_k)
-        if not _broadcastable(tuple(mask.shape), target):
-            raise InvalidArgumentError(
-                f"`mask` of shape {tuple(mask.shape)} does not broadcast to (B, Hq, Sq, Sk) = {target}")
-        mask_shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
-
-    has_alibi = alibi_slopes is not None
-    if has_alibi:
-        if not isinstance(alibi_slopes, torch.Tensor):
-            raise InvalidTypeError(f"`alibi_slopes` must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
-        if alibi_slopes.dtype != torch.float32:
-            raise InvalidTypeError(f"`alibi_slopes` must be float32, got {alibi_slopes.dtype}")
-        if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
-            raise InvalidArgumentError(
-                f"`alibi_slopes` must have shape (Hq,) = ({heads_q},) or (B, Hq) = ({batch}, {heads_q}), "
-                f"got {tuple(alibi_slopes.shape)}")
-        if alibi_slopes.device != device:
-            raise InvalidArgumentError(f"`alibi_slopes` must be on {device}, got {alibi_slopes.device}")
-
-    grad_enabled = torch.is_grad_enabled()
-    mask_requires_grad = mask_requires_grad and grad_enabled
-    needs_grad = grad_enabled and (q.requires_grad or k.requires_grad or v.requires_grad or mask_requires_grad)
+    dense = q_format == "dense" and kv_format == "dense"
+    target = (sizes.batch, sizes.heads_q, sizes.seqlen_q, sizes.seqlen_k)
+    mask_kind, mask_shape = _mask_fields(mask, target, device, dense)
+    if alibi_slopes is not None:
+        _check_vector("alibi_slopes", alibi_slopes, ((sizes.heads_q,), (sizes.batch, sizes.heads_q)), device,
+                      f"(Hq,) = ({sizes.heads_q},) or (B, Hq) = ({sizes.batch}, {sizes.heads_q})")
+    if sinks is not None:
+        _check_vector("sinks", sinks, ((sizes.heads_q,),), device, f"(Hq,) = ({sizes.heads_q},)")
+    wanted = grad_names(x) if grad_inputs is None else frozenset(grad_inputs)
+    mask_grad = mask_kind == "additive" and "mask" in wanted
     vendor, arch = device_arch(device)
-    deterministic = needs_grad and torch.are_deterministic_algorithms_enabled()
-    return Problem(device.type, vendor, arch, q.dtype, batch, heads_q, heads_kv, seqlen_q, seqlen_k,
-                   head_dim, head_dim_v, layout, causal, window_left, window_right, mask_kind, mask_shape,
-                   mask_requires_grad, has_alibi, softcap, scale, needs_grad, deterministic)
+    p = Problem.create(
+        device=device, vendor=vendor, arch=arch, dtype=q.dtype, **sizes._asdict(), layout=layout, causal=causal,
+        window=window, offset=offset, mask_kind=mask_kind, mask_shape=mask_shape, mask_requires_grad=mask_grad,
+        alibi=alibi_slopes is not None, sinks=sinks is not None, softcap=softcap, scale=scale,
+        needs_grad=bool(wanted), q_format=q_format, kv_format=kv_format)
+    return p, x
+
+
+def make_problem(q, k, v, **options) -> Problem:
+    """The `Problem` of `attnx.attention(q, k, v, **options)` (same keyword arguments)."""
+    return make_call(q, k, v, **options)[0]

@@ -1,71 +1,101 @@
-"""The set of registered backends, by name."""
+"""The set of registered backends, by name.
+
+The built-in backends live in ``attnx.backends`` (the top-level ``backends/`` folder,
+installed under that name by pyproject.toml). Other packages register theirs with
+`register_backend`, or for a test with the `registered` context manager.
+"""
 from __future__ import annotations
 
+import contextlib
 import importlib
-import importlib.util
-import pathlib
-import sys
 
 from .backend import Backend
 from .errors import InvalidArgumentError, InvalidTypeError
 
-_BACKENDS: dict[str, Backend] = {}
-_builtins_loaded = False
-
-
-def _import_builtin_backends():
-    """Import ``attnx.backends`` (installed from the top-level ``backends/`` folder)."""
-    try:
-        return importlib.import_module("attnx.backends")
-    except ModuleNotFoundError as err:
-        if err.name != "attnx.backends":
-            raise
-    # Running from a source checkout that was never installed: map the folder by hand.
-    folder = pathlib.Path(__file__).resolve().parent.parent / "backends"
-    spec = importlib.util.spec_from_file_location(
-        "attnx.backends", folder / "__init__.py", submodule_search_locations=[str(folder)])
-    if spec is None:
-        raise ModuleNotFoundError("attnx.backends is not installed; run `pip install -e .`")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["attnx.backends"] = module
-    spec.loader.exec_module(module)
-    return module
+_backends: dict[str, Backend] = {}
+_loaded = False
+# bumped on every change, so cached dispatch decisions made under another registry are never reused
+_generation = 0
 
 
 def _ensure_builtins() -> None:
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        for backend in _import_builtin_backends().builtin_backends():
-            _BACKENDS.setdefault(backend.name, backend)
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for backend in importlib.import_module("attnx.backends").builtin_backends():
+            _backends.setdefault(backend.name, backend)
 
 
-def register_backend(backend: Backend) -> Backend:
-    """Register a backend instance under its ``name`` (replacing one of that name)."""
+def generation() -> int:
+    """A number that changes whenever the set of registered backends does."""
+    return _generation
+
+
+def _set(name: str, backend) -> None:
+    global _generation
+    _ensure_builtins()
+    if backend is None:
+        _backends.pop(name, None)
+    else:
+        _backends[name] = backend
+    _generation += 1
+
+
+def _checked(backend) -> Backend:
     if not isinstance(backend, Backend):
         raise InvalidTypeError(f"`backend` must be an attnx.Backend instance, got {type(backend).__name__}")
     if not backend.name:
         raise InvalidArgumentError("a backend needs a non-empty `name`")
-    _ensure_builtins()
-    _BACKENDS[backend.name] = backend
-    from .dispatch import clear_cache
-    clear_cache()
     return backend
 
 
+def register_backend(backend: Backend) -> Backend:
+    """Register a backend instance under its ``name`` (replacing one of that name).
+
+    Its place in the dispatcher's order comes from its `Backend.priority` table.
+    """
+    _set(_checked(backend).name, backend)
+    return backend
+
+
+def unregister_backend(name: str) -> None:
+    """Remove the backend registered as `name` (unknown names raise)."""
+    get_backend(name)
+    _set(name, None)
+
+
+@contextlib.contextmanager
+def registered(backend: Backend):
+    """Register `backend` inside a ``with`` block; on exit restore what had its name before.
+
+    Example (a test's spy backend)::
+
+        with attnx.registered(MyBackend()):
+            attnx.attention(q, k, v, backend="mine")
+    """
+    name = _checked(backend).name
+    previous = registered_backends().get(name)
+    _set(name, backend)
+    try:
+        yield backend
+    finally:
+        _set(name, previous)
+
+
 def registered_backends() -> dict[str, Backend]:
-    """Registered backends by name, in registration order."""
+    """Registered backends by name, in registration order (a copy)."""
     _ensure_builtins()
-    return _BACKENDS
+    return dict(_backends)
 
 
 def get_backend(name: str) -> Backend:
     if not isinstance(name, str):
         raise InvalidTypeError(f"a backend name must be a str, got {type(name).__name__}")
-    table = registered_backends()
-    if name not in table:
-        raise InvalidArgumentError(f"unknown backend {name!r}; registered: {', '.join(table)}")
-    return table[name]
+    _ensure_builtins()
+    backend = _backends.get(name)
+    if backend is None:
+        raise InvalidArgumentError(f"unknown backend {name!r}; registered: {', '.join(_backends)}")
+    return backend
 
 
 def list_backends() -> list[dict]:

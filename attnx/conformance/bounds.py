@@ -32,7 +32,7 @@ LSE_REL = 2.0 ** -20
 def high_precision_tolerance(dtype: torch.dtype, backend) -> float:
     if dtype == torch.float64:
         return 1e-10
-    return 5e-3 if getattr(backend, "uses_tf32", False) else 1e-4
+    return 5e-3 if backend.uses_tf32 else 1e-4
 
 
 def bound(name: str, dtype: torch.dtype, backend, ref: torch.Tensor, naive_low_err: float | None) -> float:

@@ -1,4 +1,4 @@
-"""The naive backend: SPEC.md's formula with the whole score matrix in memory."""
+"""The naive backend: the formula of docs/semantics.md with the whole score matrix in memory."""
 from .backend import BACKEND, NaiveBackend
 
 __all__ = ["BACKEND", "NaiveBackend"]

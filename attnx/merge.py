@@ -1,0 +1,66 @@
+"""`merge`: exact attention over a union of disjoint key sets from the parts' ``(out, lse)``."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .errors import InvalidArgumentError, InvalidTypeError
+
+_LAYOUTS = ("bhsd", "bshd", "varlen")
+
+
+def _lse_as_out(lse: torch.Tensor, layout: str) -> torch.Tensor:
+    """``lse`` reshaped to broadcast against ``out`` (a trailing dim of 1)."""
+    if layout == "bhsd":
+        return lse.unsqueeze(-1)                      # (B, H, S) -> (B, H, S, 1)
+    if layout == "bshd":
+        return lse.transpose(1, 2).unsqueeze(-1)      # (B, H, S) -> (B, S, H, 1)
+    return lse.transpose(0, 1).unsqueeze(-1)          # (H, T) -> (T, H, 1)
+
+
+def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], *, layout: str = "bhsd"):
+    """Combine partial attention results over disjoint key sets into the exact result.
+
+    ``outs[i]``/``lses[i]`` are what `attnx.attention(..., return_lse=True)` returned for
+    the same queries against the i-th key set. Returns ``(out, lse)``: ``lse`` is the
+    log-sum-exp of the parts, and ``out`` their average weighted by ``exp(lse_i - lse)``;
+    a row no part saw gives ``out = 0``, ``lse = -inf``. Differentiable in every input.
+    ``layout`` is the outs' layout: ``"bhsd"``, ``"bshd"`` or ``"varlen"`` (``(T, H, Dv)``
+    with lse ``(H, T)``). Used by split-KV decoding, ring attention and shared prefixes.
+
+    Equivalent PyTorch::
+
+        lse = torch.logsumexp(torch.stack(lses), dim=0)
+        out = sum(torch.exp(l - lse)[..., None] * o for o, l in zip(outs, lses))  # bhsd
+    """
+    if layout not in _LAYOUTS:
+        raise InvalidArgumentError(f"`layout` must be one of {', '.join(_LAYOUTS)}, got {layout!r}")
+    outs, lses = list(outs), list(lses)
+    if not outs or len(outs) != len(lses):
+        raise InvalidArgumentError(f"`outs` and `lses` must be non-empty and of one length, got {len(outs)} "
+                                   f"and {len(lses)}")
+    for i, (o, l) in enumerate(zip(outs, lses)):
+        if not isinstance(o, torch.Tensor) or not isinstance(l, torch.Tensor):
+            raise InvalidTypeError(f"part {i}: `outs` and `lses` must hold tensors")
+        if o.shape != outs[0].shape or l.shape != lses[0].shape or o.dtype != outs[0].dtype:
+            raise InvalidArgumentError(f"part {i}: shapes or dtype differ from part 0 ({tuple(o.shape)} vs "
+                                       f"{tuple(outs[0].shape)}, {tuple(l.shape)} vs {tuple(lses[0].shape)})")
+        if _lse_as_out(l, layout).shape[:-1] != o.shape[:-1]:
+            raise InvalidArgumentError(f"part {i}: lse {tuple(l.shape)} does not match out {tuple(o.shape)} "
+                                       f"in layout {layout!r}")
+    acc = torch.float64 if outs[0].dtype == torch.float64 else torch.float32
+    stacked = torch.stack([l.to(acc) for l in lses])
+    # log-sum-exp written out so rows no part saw (every lse -inf) give -inf with zero, not NaN, gradients
+    top = stacked.amax(dim=0)
+    top = torch.where(top == float("-inf"), torch.zeros_like(top), top)
+    total = torch.exp(stacked - top).sum(dim=0)
+    seen = total != 0  # NaN counts as seen, so it propagates
+    lse = torch.where(seen, top + torch.log(torch.where(seen, total, torch.ones_like(total))),
+                      torch.full_like(total, float("-inf")))
+    shift = torch.where(seen, lse, torch.zeros_like(lse))
+    out = None
+    for o, l in zip(outs, lses):
+        term = _lse_as_out(torch.exp(l.to(acc) - shift), layout) * o.to(acc)
+        out = term if out is None else out + term
+    return out.to(outs[0].dtype), lse
