@@ -18,6 +18,7 @@ import torch
 from .capability import device_arch
 from .errors import InvalidArgumentError, InvalidTypeError
 from .inputs import Inputs
+from .limits import MAX_SEQLEN
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 LAYOUTS = ("bhsd", "bshd")
@@ -219,8 +220,8 @@ def _offset(value, seqlen_q: int, seqlen_k: int, q_format: str, kv_format: str) 
     if value is None:
         return None
     value = _integer("`offset`", value)
-    if abs(value) >= 1 << 30:
-        raise InvalidArgumentError(f"`offset` must lie in (-2**30, 2**30), got {value}")
+    if abs(value) >= MAX_SEQLEN:
+        raise InvalidArgumentError(f"`offset` must lie in (-2**28, 2**28), got {value}")
     if q_format == "dense" and kv_format == "dense" and value == seqlen_k - seqlen_q:
         return None
     return value
