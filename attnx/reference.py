@@ -52,7 +52,7 @@ def scores(q, k, *, scale, softcap=None, alibi_slopes=None, mask=None, window_le
 
     ``q``, ``k`` are ``(B, H, S, D)``; GQA is handled by repeating kv heads.
     """
-    group = q.shape[1] // k.shape[1]
+    group = q.shape[1] // max(k.shape[1], 1)
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
     s = torch.matmul(q.to(compute_dtype), k.to(compute_dtype).transpose(-2, -1)) * scale
@@ -96,7 +96,7 @@ def attention_reference(q, k, v, *, scale, softcap=None, alibi_slopes=None, mask
     p = torch.softmax(torch.where(sees_a_key, s, torch.zeros_like(s)), dim=-1) * sees_a_key
     if extra is not None:
         p = p[..., :-1]
-    group = q.shape[1] // v.shape[1]
+    group = q.shape[1] // max(v.shape[1], 1)
     if group > 1:
         v = v.repeat_interleave(group, dim=1)
     out = torch.matmul(p, v.to(compute_dtype))

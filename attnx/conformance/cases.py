@@ -59,6 +59,12 @@ class Case:
     masked_rows: bool = False         # some query rows see no key at all
     large_logits: bool = False        # max |scaled score| = 1e4
     grad: bool = True
+    offset: Optional[int] = None      # explicit aligned position of query 0 (None = bottom-right)
+    sinks: bool = False               # per-head attention-sink logits
+    nan: bool = False                 # one NaN in k: the rows that see it must come out NaN
+    q_format: str = "dense"           # "dense" or "varlen"
+    kv_format: str = "dense"          # "dense", "varlen", "cache" or "paged"
+    page_size: Optional[int] = None   # paged kv only
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -90,6 +96,14 @@ class Case:
             parts.append("maskedrows")
         if self.large_logits:
             parts.append("large")
+        if self.offset is not None:
+            parts.append(f"offset{self.offset}")
+        if self.sinks:
+            parts.append("sinks")
+        if self.nan:
+            parts.append("nan")
+        if (self.q_format, self.kv_format) != ("dense", "dense"):
+            parts.append(f"{self.q_format}q-{self.kv_format}kv" + (f"{self.page_size}" if self.page_size else ""))
         parts.append("grad" if self.grad else "fwd")
         return "-".join(parts)
 
@@ -103,25 +117,19 @@ class Case:
         return zlib.crc32(self.key.encode())
 
     @property
-    def folded_window(self) -> tuple:
-        """(window_left, window_right) with causal folded in, as `Problem` holds them."""
-        left, right = self.window if self.window is not None else (None, None)
-        if self.causal:
-            right = 0 if right is None else min(right, 0)
-        return left, right
+    def is_dense(self) -> bool:
+        return (self.q_format, self.kv_format) == ("dense", "dense")
 
     def problem(self) -> Problem:
         """The case's signature as `make_problem` would build it (device fields: the CPU's)."""
-        left, right = self.folded_window
-        return Problem(
-            device_type="cpu", vendor="cpu", arch="cpu", dtype=self.torch_dtype, batch=self.batch,
-            heads_q=self.heads_q, heads_kv=self.heads_kv, seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k,
-            head_dim=self.head_dim, head_dim_v=self.head_dim_v, layout=self.layout, causal=self.causal,
-            window_left=left, window_right=right, mask_kind=self.mask,
+        return Problem.create(
+            device="cpu", dtype=self.torch_dtype, batch=self.batch, heads_q=self.heads_q, heads_kv=self.heads_kv,
+            seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k, head_dim=self.head_dim, head_dim_v=self.head_dim_v,
+            layout=self.layout, causal=self.causal, window=self.window, offset=self.offset, mask_kind=self.mask,
             mask_shape=(self.batch, self.heads_q, self.seqlen_q, self.seqlen_k) if self.mask else None,
-            mask_requires_grad=self.mask_grad, has_alibi=self.alibi is not None, softcap=self.softcap,
-            scale=self.scale if self.scale is not None else self.head_dim ** -0.5,
-            needs_grad=self.grad or self.mask_grad)
+            mask_requires_grad=self.mask_grad, alibi=self.alibi is not None, sinks=self.sinks,
+            softcap=self.softcap, scale=self.scale, needs_grad=self.grad or self.mask_grad, deterministic=False,
+            q_format=self.q_format, kv_format=self.kv_format, page_size=self.page_size)
 
     def as_dict(self) -> dict:
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
@@ -304,7 +312,48 @@ def generate_cases(backend, profile: str = "quick") -> list[Case]:
         cases.append(replace(base, group="diagonal", dtype=dt, head_dim=d, head_dim_v=d, seqlen_q=s_q, seqlen_k=s_k,
                              causal=i % 2 == 1, layout="bshd" if i % 3 == 2 else "bhsd"))
 
+    cases += _contract_2026_12_cases(base, uneven, prof, grad)
     return _finish(cases, backend)
+
+
+def _contract_2026_12_cases(base: Case, uneven: tuple, prof: Profile, grad: bool) -> list[Case]:
+    """Explicit offsets, sinks, NaN inputs, zero-size problems and the varlen/cache/paged formats."""
+    cases = []
+    # offsets: top-left (SDPA's is_causal), positive, negative, and past every key
+    for i, off in enumerate((0, 5, -3, prof.uneven[1] + 4)):
+        u = uneven[i % 2]
+        cases += [replace(u, group="offset", offset=off, causal=True),
+                  replace(u, group="offset", offset=off, window=(WINDOW, WINDOW), alibi="h" if i % 2 else None,
+                          layout="bshd" if i == 2 else "bhsd")]
+    tall = uneven[1]  # Sq > Sk: with causal, the first rows see no key (lse = sink there)
+    cases += [replace(base, group="sinks", sinks=True), replace(uneven[0], group="sinks", sinks=True, causal=True),
+              replace(tall, group="sinks", sinks=True, causal=True, masked_rows=True),
+              replace(base, group="sinks", sinks=True, heads_q=2 * base.heads_q, softcap=SOFTCAP, layout="bshd"),
+              replace(uneven[0], group="sinks", sinks=True, offset=0, causal=True, alibi="bh"),
+              replace(base, group="sinks", sinks=True, grad=False)]
+    cases += [replace(base, group="nan", nan=True, grad=False),
+              replace(uneven[0], group="nan", nan=True, causal=True, grad=False)]
+    for sizes in ((0, base.heads_q, base.heads_kv, 9, 9), (1, 0, 0, 9, 9), (1, 2, 1, 0, 9), (1, 2, 1, 9, 0)):
+        b, hq, hkv, sq, sk = sizes
+        cases.append(replace(base, group="empty", batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_k=sk,
+                             causal=sq > 0, sinks=sk == 0))
+    # tensor formats: 3 sequences (one of them empty) of up to seqlen_q queries and seqlen_k keys
+    sq, sk = prof.uneven
+    packed = replace(base, group="format", batch=3, seqlen_q=sq, seqlen_k=sk, q_format="varlen", kv_format="varlen")
+    cases += [packed, replace(packed, causal=True), replace(packed, window=(WINDOW, 0), alibi="bh"),
+              replace(packed, heads_q=2 * base.heads_q, causal=True, sinks=True),
+              replace(packed, causal=True, offset=0), replace(packed, seqlen_q=sk, seqlen_k=sq, causal=True,
+                                                              softcap=SOFTCAP)]
+    decode = replace(base, group="format", batch=3, seqlen_q=1, seqlen_k=sk, kv_format="cache", causal=True)
+    cases += [decode, replace(decode, seqlen_q=4, heads_q=2 * base.heads_q, sinks=True, layout="bshd")]
+    for page_size in (1, 7, 16):
+        paged = replace(decode, kv_format="paged", page_size=page_size)
+        cases += [paged, replace(paged, seqlen_q=3, window=(WINDOW, 0), alibi="h")]
+    cases += [replace(packed, kv_format="paged", page_size=16, causal=True),
+              replace(packed, kv_format="cache", causal=True, layout="bshd")]
+    if not grad:
+        cases = [replace(c, grad=False) for c in cases]
+    return cases
 
 
 def _finish(cases: list[Case], backend) -> list[Case]:
@@ -315,7 +364,7 @@ def _finish(cases: list[Case], backend) -> list[Case]:
             c = replace(c, mask_grad=False)
         if c.mask_grad and not c.grad:
             continue
-        if c.heads_q % c.heads_kv:
+        if c.heads_kv and c.heads_q % c.heads_kv:
             continue
         if declared_reasons(backend, c):
             # the mask-grad variant of a case the backend supports otherwise: keep it without mask grad

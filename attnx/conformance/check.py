@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -12,11 +12,12 @@ import torch
 import attnx
 from attnx.reference import attention_reference
 
+from . import formats
 from .bounds import LOW_PRECISION, bound, max_abs_error
 from .cases import Case
-from .inputs import make_inputs
+from .inputs import Inputs, make_inputs
 
-GRAD_NAMES = ("q", "k", "v", "mask")
+GRAD_NAMES = ("q", "k", "v", "mask", "sinks")
 # groups where a backend declaring `deterministic = True` is also run twice and compared bit for bit
 DETERMINISM_GROUPS = ("base", "gqa", "mask_grad")
 
@@ -65,25 +66,50 @@ def _to_bhsd(case: Case, t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2) if case.layout == "bshd" else t
 
 
-def _call_kwargs(case: Case, views: dict, alibi, scale) -> dict:
-    return dict(causal=case.causal, window=case.window, mask=views.get("mask"), scale=scale, softcap=case.softcap,
-                alibi_slopes=alibi, layout=case.layout)
+def _call_kwargs(case: Case, inputs: Inputs, views: dict) -> dict:
+    return dict(causal=case.causal, window=case.window, offset=case.offset, mask=views.get("mask"),
+                scale=inputs.scale, softcap=case.softcap, alibi_slopes=inputs.alibi_slopes, sinks=views.get("sinks"),
+                layout=case.layout, **inputs.index)
 
 
-def _formula(case: Case, views: dict, alibi, scale: float, compute_dtype, dout) -> tuple:
-    """(out in the case's layout, lse, {name: grad of each view}) of the reference formula."""
-    left, right = case.folded_window
-    q, k, v = (_to_bhsd(case, views[n]) for n in ("q", "k", "v"))
+def _reference(case: Case, q, k, v, mask, alibi, sinks, scale: float, compute_dtype):
+    left, right = case.window if case.window is not None else (None, None)
+    if case.causal:
+        right = 0 if right is None else min(right, 0)
+    return attention_reference(q, k, v, scale=scale, softcap=case.softcap, alibi_slopes=alibi, mask=mask,
+                               window_left=left, window_right=right, offset=case.offset, sinks=sinks,
+                               compute_dtype=compute_dtype)
+
+
+def _formula(case: Case, inputs: Inputs, views: dict, scale: float, compute_dtype, dout) -> tuple:
+    """(out in the case's layout or format, lse, {name: grad of each view}, rows that see no key)."""
     with torch.enable_grad() if dout is not None else torch.no_grad():
-        out, lse = attention_reference(q, k, v, scale=scale, softcap=case.softcap, alibi_slopes=alibi,
-                                       mask=views.get("mask"), window_left=left, window_right=right,
-                                       compute_dtype=compute_dtype)
-        out = _to_bhsd(case, out)
+        if inputs.packing is None:
+            q, k, v = (_to_bhsd(case, views[n]) for n in ("q", "k", "v"))
+            out, lse = _reference(case, q, k, v, views.get("mask"), inputs.alibi_slopes, views.get("sinks"), scale,
+                                  compute_dtype)
+            out = _to_bhsd(case, out)
+        else:
+            outs, lses = [], []
+            for b, (q, k, v) in enumerate(formats.unpack(case, inputs.packing, views)):
+                alibi = inputs.alibi_slopes
+                if alibi is not None and alibi.dim() == 2:
+                    alibi = alibi[b:b + 1]
+                o, l = _reference(case, q, k, v, None, alibi, views.get("sinks"), scale, compute_dtype)
+                outs.append(o)
+                lses.append(l)
+            out, lse = formats.pack_outputs(case, outs, lses)
         grads = {}
         if dout is not None:
             out.backward(dout.to(out.dtype))
             grads = {n: views[n].grad for n in GRAD_NAMES if n in views and views[n].requires_grad}
-    return out.detach(), lse, grads
+    dead = torch.isneginf(lse)
+    if case.sinks:  # a sink keeps lse finite: rows that see no key are those whose lse is the sink's alone
+        with torch.no_grad():
+            plain = _formula(replace(case, sinks=False, grad=False), inputs,
+                             {n: t for n, t in views.items() if n != "sinks"}, scale, compute_dtype, None)
+        dead = plain[3]
+    return out.detach(), lse.detach(), grads, dead
 
 
 def _errors(out, grads: dict, ref_out, ref_grads: dict) -> dict:
@@ -92,14 +118,13 @@ def _errors(out, grads: dict, ref_out, ref_grads: dict) -> dict:
     return errors
 
 
-def _naive_backend_errors(case: Case, twin, alibi, scale: float, dout, ref_out, ref_grads: dict) -> dict:
-    """Errors of the naive backend (the formula with float32 accumulation, SPEC's accumulation rule)
-    on the same low-precision inputs: the second half of the low-precision baseline."""
+def _naive_backend_errors(case: Case, inputs: Inputs, twin, dout, ref_out, ref_grads: dict) -> dict:
+    """Errors of the naive backend (the formula with float32 accumulation, the contract's accumulation
+    rule) on the same low-precision inputs: the second half of the low-precision baseline."""
     if "naive" not in attnx.registered_backends():
         return {}
     _, views = twin(None, case.grad)
-    out = attnx.attention(views["q"], views["k"], views["v"], **_call_kwargs(case, views, alibi, scale),
-                          backend="naive")
+    out = attnx.attention(views["q"], views["k"], views["v"], **_call_kwargs(case, inputs, views), backend="naive")
     grads = {}
     if dout is not None:
         out.backward(dout)
@@ -143,11 +168,11 @@ def run_case(backend_name: str, case: Case, device, *, allow_extra_declines: boo
 def _run(result: Result, backend_name: str, case: Case, device, allow_extra_declines: bool) -> None:
     backend = attnx.get_backend(backend_name)
     inputs, twin = make_inputs(case, device)
-    views, alibi = inputs.views, inputs.alibi_slopes
-    kwargs = _call_kwargs(case, views, alibi, inputs.scale)
+    views = inputs.views
+    kwargs = _call_kwargs(case, inputs, views)
     p = attnx.make_problem(views["q"], views["k"], views["v"], **kwargs)
     result.scale = p.scale
-    reasons = backend.reasons(p)
+    reasons = [] if p.is_empty else backend.reasons(p)  # zero-size problems never reach a backend
     if reasons:
         result.reasons = list(reasons)
         if declined_reasons_kind(backend, p) == "extra" and not allow_extra_declines:
@@ -156,7 +181,7 @@ def _run(result: Result, backend_name: str, case: Case, device, allow_extra_decl
             result.status = "declined"
         return
     snapshot = {n: t.detach().clone() for n, t in inputs.leaves.items()}
-    out_numel = case.batch * case.heads_q * case.seqlen_q * max(case.head_dim, case.head_dim_v)
+    out_numel = max(1, case.batch * case.heads_q * case.seqlen_q * max(case.head_dim, case.head_dim_v))
 
     # -- the backend, through the public API ----------------------------------------------
     _poison(device, out_numel)
@@ -166,26 +191,28 @@ def _run(result: Result, backend_name: str, case: Case, device, allow_extra_decl
         _poison(device, out_numel)
         out.backward(inputs.dout)
         grads = {n: views[n].grad for n in GRAD_NAMES if n in views and views[n].requires_grad}
-    _check_layout(result, case, p, out, lse, grads, views, device)
+    _check_layout(result, case, inputs, out, lse, grads, views, device)
     if backend.deterministic and case.group in DETERMINISM_GROUPS:
         _check_deterministic(result, backend_name, case, device, out, lse, grads)
     for name, leaf in inputs.leaves.items():
-        if not torch.equal(leaf.detach(), snapshot[name]):
+        if not torch.equal(torch.nan_to_num(leaf.detach()), torch.nan_to_num(snapshot[name])):
             result.fail(f"input {name} was modified")
 
     # -- the oracle: float64 copies of the same inputs ------------------------------------
     _, views64 = twin(torch.float64, case.grad)
-    ref_out, ref_lse, ref_grads = _formula(case, views64, alibi, p.scale, torch.float64, inputs.dout)
+    ref_out, ref_lse, ref_grads, dead = _formula(case, inputs, views64, p.scale, torch.float64, inputs.dout)
     low = {}
     if case.torch_dtype in LOW_PRECISION:
         _, views_low = twin(None, case.grad)
-        low_out, _, low_grads = _formula(case, views_low, alibi, p.scale, case.torch_dtype, inputs.dout)
+        low_out, _, low_grads, _ = _formula(case, inputs, views_low, p.scale, case.torch_dtype, inputs.dout)
         result.naive_low = _errors(low_out, low_grads, ref_out, ref_grads)
-        result.naive_acc32 = _naive_backend_errors(case, twin, alibi, p.scale, inputs.dout, ref_out, ref_grads)
+        result.naive_acc32 = _naive_backend_errors(case, inputs, twin, inputs.dout, ref_out, ref_grads)
         low = {n: max(e, result.naive_acc32.get(n, 0.0)) for n, e in result.naive_low.items()}
 
     quantities = {"out": (out, ref_out), "lse": (lse, ref_lse)}
     quantities.update({f"d{n}": (grads.get(n), ref_grads[n]) for n in ref_grads})
+    if case.nan:
+        quantities = _check_nan_rows(result, quantities)
     for name, (got, ref) in quantities.items():
         if got is None:
             result.fail(f"{name} missing (no gradient reached the input)")
@@ -194,16 +221,33 @@ def _run(result: Result, backend_name: str, case: Case, device, allow_extra_decl
         result.bounds[name] = b = bound(name, case.torch_dtype, backend, ref, low.get(name))
         if not err <= b:
             result.fail(f"{name} error {err:.3g} > bound {b:.3g}")
-    _check_dead_rows(result, case, out, lse, grads, ref_lse)
+    _check_dead_rows(result, case, inputs, out, lse, grads, dead)
+
+
+def _check_nan_rows(result: Result, quantities: dict) -> dict:
+    """NaN exactly where the oracle is NaN (never a quiet zero); the rest compared as usual."""
+    kept = {}
+    for name, (got, ref) in quantities.items():
+        if got is None:
+            kept[name] = (got, ref)
+            continue
+        nan_ref = torch.isnan(ref)
+        if not bool(nan_ref.any()) and name in ("out", "lse"):
+            result.fail(f"case design error: no NaN reached {name}")
+        if not torch.equal(torch.isnan(got.detach().cpu()), nan_ref.cpu()):
+            result.fail(f"{name} is NaN at {int(torch.isnan(got).sum())} places, the formula at {int(nan_ref.sum())}")
+        zero = torch.zeros((), dtype=ref.dtype, device=ref.device)
+        kept[name] = (torch.where(nan_ref.to(got.device), zero.to(got.dtype).to(got.device), got.detach()),
+                      torch.where(nan_ref, zero, ref))
+    return kept
 
 
 def _check_deterministic(result: Result, backend_name: str, case: Case, device, out, lse, grads) -> None:
     """A second run on fresh copies of the same inputs must give bitwise equal results."""
     again, _ = make_inputs(case, device)
     views = again.views
-    kwargs = _call_kwargs(case, views, again.alibi_slopes, again.scale)
-    out2, lse2 = attnx.attention(views["q"], views["k"], views["v"], **kwargs, backend=backend_name,
-                                 return_lse=True)
+    out2, lse2 = attnx.attention(views["q"], views["k"], views["v"], **_call_kwargs(case, again, views),
+                                 backend=backend_name, return_lse=True)
     pairs = {"out": (out, out2), "lse": (lse, lse2)}
     if case.grad:
         out2.backward(again.dout)
@@ -213,32 +257,51 @@ def _check_deterministic(result: Result, backend_name: str, case: Case, device, 
             result.fail(f"{name} differs between two runs (the backend declares deterministic = True)")
 
 
-def _check_layout(result: Result, case: Case, p, out, lse, grads: dict, views: dict, device) -> None:
+def _expected_shapes(case: Case, inputs: Inputs) -> tuple[tuple, tuple]:
+    if inputs.packing is not None:
+        return formats.out_shape(case, inputs.packing), formats.lse_shape(case, inputs.packing)
+    out = ((case.batch, case.heads_q, case.seqlen_q, case.head_dim_v) if case.layout == "bhsd"
+           else (case.batch, case.seqlen_q, case.heads_q, case.head_dim_v))
+    return out, (case.batch, case.heads_q, case.seqlen_q)
+
+
+def _check_layout(result: Result, case: Case, inputs: Inputs, out, lse, grads: dict, views: dict, device) -> None:
     """Shapes, dtypes, devices and the caller's layout of every output."""
-    want = ((case.batch, case.heads_q, case.seqlen_q, case.head_dim_v) if case.layout == "bhsd"
-            else (case.batch, case.seqlen_q, case.heads_q, case.head_dim_v))
+    want, want_lse = _expected_shapes(case, inputs)
     if tuple(out.shape) != want or out.dtype != case.torch_dtype or out.device != device:
         result.fail(f"out is {tuple(out.shape)} {out.dtype} on {out.device}, expected {want} {case.torch_dtype}")
     elif not out.is_contiguous():
         result.fail(f"out is not contiguous in the caller's layout (strides {out.stride()})")
-    if tuple(lse.shape) != (case.batch, case.heads_q, case.seqlen_q) or lse.dtype != torch.float32:
-        result.fail(f"lse is {tuple(lse.shape)} {lse.dtype}, expected {(case.batch, case.heads_q, case.seqlen_q)} float32")
+    if tuple(lse.shape) != want_lse or lse.dtype != torch.float32:
+        result.fail(f"lse is {tuple(lse.shape)} {lse.dtype}, expected {want_lse} float32")
     for name, g in grads.items():
         if g is not None and (g.shape != views[name].shape or g.dtype != views[name].dtype):
             result.fail(f"d{name} is {tuple(g.shape)} {g.dtype}, expected {tuple(views[name].shape)} {views[name].dtype}")
 
 
-def _check_dead_rows(result: Result, case: Case, out, lse, grads: dict, ref_lse) -> None:
-    """Rows that see no key: out exactly 0, lse exactly -inf, dq exactly 0; and the case meant to have them."""
-    dead = torch.isneginf(ref_lse)  # (B, Hq, Sq)
+def _rows(case: Case, inputs: Inputs, t: torch.Tensor) -> torch.Tensor:
+    """An output or dq in the lse's row order: (B, Hq, Sq, D) dense, (Hq, total_q, D) varlen."""
+    if inputs.packing is not None and case.q_format == "varlen":
+        return t.transpose(0, 1)
+    return _to_bhsd(case, t)
+
+
+def _check_dead_rows(result: Result, case: Case, inputs: Inputs, out, lse, grads: dict, dead) -> None:
+    """Rows that see no key: out exactly 0, lse exactly -inf (the sink with sinks), dq exactly 0."""
     if case.masked_rows and not bool(dead.any()):
         result.fail("case design error: masked_rows case has no fully masked row")
     if not bool(dead.any()):
         return
-    if not bool(torch.isneginf(lse[dead]).all()):
+    dead = dead.to(lse.device)
+    if case.sinks:
+        sink = inputs.views["sinks"].detach().float()
+        expected = sink.reshape(-1, 1).expand_as(lse) if lse.dim() == 2 else sink.reshape(1, -1, 1).expand_as(lse)
+        if not bool(((lse - expected).abs() <= 1e-5 * (1 + expected.abs()))[dead].all()):
+            result.fail("lse is not the sink on rows that see no key")
+    elif not bool(torch.isneginf(lse[dead]).all()):
         result.fail("lse is not -inf on rows that see no key")
-    if not bool((_to_bhsd(case, out)[dead] == 0).all()):
+    if not bool((_rows(case, inputs, out)[dead] == 0).all()):
         result.fail("out is not exactly 0 on rows that see no key")
     dq = grads.get("q")
-    if dq is not None and not bool((_to_bhsd(case, dq)[dead] == 0).all()):
+    if dq is not None and not bool((_rows(case, inputs, dq)[dead] == 0).all()):
         result.fail("dq is not exactly 0 on rows that see no key")

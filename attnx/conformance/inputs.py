@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
+from . import formats
 from .cases import DTYPES, Case
 
 LARGE_LOGIT = 1e4
@@ -22,11 +23,13 @@ LARGE_LOGIT = 1e4
 class Inputs:
     """Leaves (what autograd accumulates into) and the views passed to attnx."""
 
-    leaves: dict                 # name -> leaf tensor ("q", "k", "v", "mask")
-    views: dict                  # name -> the tensor passed to attnx (q, k, v, mask)
+    leaves: dict                 # name -> leaf tensor ("q", "k", "v", "mask", "sinks")
+    views: dict                  # name -> the tensor passed to attnx (q, k, v, mask, sinks)
     alibi_slopes: Optional[torch.Tensor]
     scale: Optional[float]
-    dout: Optional[torch.Tensor]  # in the case's layout, dtype of q
+    dout: Optional[torch.Tensor]  # in the case's layout (the format's out shape), dtype of q
+    index: dict                  # format keyword arguments (cu_seqlens_q, page_table, ...)
+    packing: Optional[formats.Packing]  # how a non-dense case was packed, for the oracle
 
 
 def shape_in_layout(case: Case, heads: int, seqlen: int, dim: int) -> tuple:
@@ -82,16 +85,28 @@ def make_inputs(case: Case, device) -> tuple[Inputs, Callable]:
     def draw(shape):
         return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
 
+    packing = None if case.is_dense else formats.plan_packing(case, gen)
     layouts = {}
-    for name, heads, seqlen, dim in (("q", case.heads_q, case.seqlen_q, case.head_dim),
-                                     ("k", case.heads_kv, case.seqlen_k, case.head_dim),
-                                     ("v", case.heads_kv, case.seqlen_k, case.head_dim_v)):
-        layouts[name] = _memory_view(case, shape_in_layout(case, heads, seqlen, dim), draw)
+    if packing is None:
+        for name, heads, seqlen, dim in (("q", case.heads_q, case.seqlen_q, case.head_dim),
+                                         ("k", case.heads_kv, case.seqlen_k, case.head_dim),
+                                         ("v", case.heads_kv, case.seqlen_k, case.head_dim_v)):
+            layouts[name] = _memory_view(case, shape_in_layout(case, heads, seqlen, dim), draw)
+    else:
+        for name, shape in formats.packed_shapes(case, packing).items():
+            layouts[name] = draw(shape), (lambda t: t)
     leaves = {name: leaf for name, (leaf, _) in layouts.items()}
     view_fns = {name: fn for name, (_, fn) in layouts.items()}
+    if case.nan:  # one key of batch 0, kv head 0: the rows that see it (and only those) must be NaN
+        key = view_fns["k"](leaves["k"])
+        key = key if case.layout == "bhsd" else key.transpose(1, 2)
+        key[0, 0, min(3, case.seqlen_k - 1), 0] = float("nan")
     if case.mask:
         leaves["mask"] = _make_mask(case, gen, DTYPES[case.mask_dtype] if case.mask_dtype else dtype)
         view_fns["mask"] = lambda t: t
+    if case.sinks:
+        leaves["sinks"] = torch.randn((case.heads_q,), generator=gen) * 2
+        view_fns["sinks"] = lambda t: t
     alibi = None
     if case.alibi:
         shape = (case.heads_q,) if case.alibi == "h" else (case.batch, case.heads_q)
@@ -106,7 +121,9 @@ def make_inputs(case: Case, device) -> tuple[Inputs, Callable]:
         scale = LARGE_LOGIT / float((q64 @ k64.transpose(-2, -1)).abs().max())
     dout = None
     if case.grad:
-        dout = draw(shape_in_layout(case, case.heads_q, case.seqlen_q, case.head_dim_v)).to(device)
+        shape = (formats.out_shape(case, packing) if packing is not None
+                 else shape_in_layout(case, case.heads_q, case.seqlen_q, case.head_dim_v))
+        dout = draw(shape).to(device)
     leaves = {n: t.to(device) for n, t in leaves.items()}
 
     def twin(dtype_: Optional[torch.dtype], requires_grad: bool) -> tuple[dict, dict]:
@@ -125,4 +142,5 @@ def make_inputs(case: Case, device) -> tuple[Inputs, Callable]:
         return new_leaves, views
 
     leaves_used, views = twin(None, case.grad)
-    return Inputs(leaves_used, views, alibi, scale, dout), twin
+    index = {} if packing is None else formats.index_tensors(case, packing, device)
+    return Inputs(leaves_used, views, alibi, scale, dout, index, packing), twin
