@@ -132,12 +132,12 @@ torch.library.register_autograd("attnx::attention_fwd", _backward, setup_context
 
 def traced_attention(q, k, v, options: dict, backend):
     """The call `attnx.attention` makes while torch.compile traces it."""
-    tensors = Inputs(q, k, v, **{n: options[n] for n in _TENSORS if n in options})
+    tensors = dict(options, q=q, k=k, v=v)
     window = options["window"]
     window_left, window_right = (None, None) if window is None else window
-    wanted = grad_names(tensors)
+    wanted = grad_names(Inputs(*(tensors[n] for n in _TENSORS)))
     scalars = dict(options, window_left=window_left, window_right=window_right, backend=backend or "",
                    grads=[name in wanted for name in _GRAD_NAMES],
                    scale=None if options["scale"] is None else float(options["scale"]),
                    softcap=None if options["softcap"] is None else float(options["softcap"]))
-    return torch.ops.attnx.attention_fwd(*tensors.as_tuple(), *(scalars[n] for n, _ in SCALARS))
+    return torch.ops.attnx.attention_fwd(*(tensors[n] for n in _TENSORS), *(scalars[n] for n, _ in SCALARS))

@@ -33,12 +33,10 @@ TYPICAL = (
 def typical_problem(device: DeviceInfo, dtype, head_dim, seqlen_q, seqlen_k, causal, mask_kind, needs_grad):
     """A Problem as `make_problem` would build it for batch 2, 16 heads, on `device`."""
     device_type = "cpu" if device.vendor == "cpu" else ("mps" if device.vendor == "apple" else "cuda")
-    return Problem(
-        device_type=device_type, vendor=device.vendor, arch=device.arch, dtype=dtype, batch=2, heads_q=16,
-        heads_kv=16, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim, head_dim_v=head_dim,
-        layout="bhsd", causal=causal, window_left=None, window_right=0 if causal else None,
-        mask_kind=mask_kind, mask_shape=(1, 1, seqlen_q, seqlen_k) if mask_kind else None,
-        mask_requires_grad=False, has_alibi=False, softcap=None, scale=head_dim ** -0.5, needs_grad=needs_grad)
+    return Problem.create(
+        device=device_type, vendor=device.vendor, arch=device.arch, dtype=dtype, batch=2, heads_q=16,
+        seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim, causal=causal, mask_kind=mask_kind,
+        mask_shape=(1, 1, seqlen_q, seqlen_k) if mask_kind else None, needs_grad=needs_grad)
 
 
 def _backend_rows() -> list[dict]:

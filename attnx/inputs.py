@@ -46,9 +46,9 @@ class Inputs:
     # inputs that can receive gradients (the integer index tensors never do)
     DIFFERENTIABLE = ("q", "k", "v", "mask", "sinks")
 
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
+    @staticmethod
+    def field_names() -> tuple[str, ...]:
+        return _INPUT_FIELDS
 
     def as_tuple(self) -> tuple:
         return tuple(getattr(self, n) for n in self.field_names())
@@ -59,6 +59,9 @@ class Inputs:
 
     def replace(self, **changes) -> "Inputs":
         return dataclasses.replace(self, **changes)
+
+
+_INPUT_FIELDS = tuple(f.name for f in dataclasses.fields(Inputs))
 
 
 @dataclass

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import attnx
-from attnx import dispatch, registry
 from attnx.reference import attention_reference
 
 
@@ -26,12 +25,13 @@ class SpyBackend(attnx.Backend):
         self.calls.append("reasons")
         return super().reasons(p)
 
-    def forward(self, p, q, k, v, mask, alibi_slopes):
+    def forward(self, p, x):
         self.calls.append("forward")
         with torch.no_grad():
-            out, lse = attention_reference(q, k, v, scale=p.scale, softcap=p.softcap, alibi_slopes=alibi_slopes,
-                                           mask=mask, window_left=p.window_left, window_right=p.window_right)
-        result = attnx.alloc_out(p, q)
+            out, lse = attention_reference(x.q, x.k, x.v, scale=p.scale, softcap=p.softcap,
+                                           alibi_slopes=x.alibi_slopes, mask=x.mask, window_left=p.window_left,
+                                           window_right=p.window_right)
+        result = attnx.alloc_out(p, x.q)
         result.copy_(out)
         return result, lse.float()
 
@@ -50,14 +50,15 @@ def make_spy():
 
 @pytest.fixture
 def clean_registry(monkeypatch):
-    """Restore the registered backends, the decision cache and ATTNX_BACKEND after the test."""
+    """The registered backends (a dict) before the test; restored after it, with ATTNX_BACKEND."""
     monkeypatch.delenv("ATTNX_BACKEND", raising=False)
-    saved = dict(registry.registered_backends())
-    dispatch.clear_cache()
-    yield registry._BACKENDS
-    registry._BACKENDS.clear()
-    registry._BACKENDS.update(saved)
-    dispatch.clear_cache()
+    saved = attnx.registered_backends()
+    yield saved
+    for name in attnx.registered_backends():
+        if name not in saved:
+            attnx.unregister_backend(name)
+    for backend in saved.values():
+        attnx.register_backend(backend)
 
 
 @pytest.fixture

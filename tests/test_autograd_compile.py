@@ -145,3 +145,51 @@ def test_torch_compile_fullgraph_forward_backward(bias, backend):
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, eager[name], atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def _projected(x: torch.Tensor, heads: int, kind: str):
+    """q, k, v made from one projection the way model code makes them, in several stride kinds."""
+    b, s, width = x.shape
+    d = width // (3 * heads)
+    if kind == "view-transpose":   # x.view(B, T, H, D).transpose(1, 2): the most common pattern
+        return [t.view(b, s, heads, d).transpose(1, 2) for t in x.split(heads * d, dim=-1)], "bhsd"
+    if kind == "bshd-views":       # flash-attn layout, sliced out of one packed tensor
+        return list(x.view(b, s, 3, heads, d).unbind(2)), "bshd"
+    if kind == "contiguous":
+        return [t.reshape(b, s, heads, d).transpose(1, 2).contiguous() for t in x.split(heads * d, dim=-1)], "bhsd"
+    raise ValueError(kind)
+
+
+class _ViewAttention(torch.nn.Module):
+    def __init__(self, kind: str, heads=2, dim=24, extras=None):
+        super().__init__()
+        self.kind, self.heads, self.extras = kind, heads, extras or {}
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.sinks = torch.nn.Parameter(torch.randn(heads)) if self.extras.pop("sinks", False) else None
+
+    def forward(self, x):
+        (q, k, v), layout = _projected(self.qkv(x), self.heads, self.kind)
+        out = attnx.attention(q, k, v, layout=layout, sinks=self.sinks, **self.extras)
+        return out.float().sum(dim=1 if layout == "bhsd" else 2)
+
+
+@pytest.mark.parametrize("kind", ["view-transpose", "bshd-views", "contiguous"])
+@pytest.mark.parametrize("extras", [dict(causal=True), dict(sinks=True, causal=True), dict(offset=0, causal=True,
+                                                                                                    window=(3, 0))],
+                         ids=["causal", "sinks", "offset-window"])
+def test_torch_compile_training_over_stride_kinds(kind, extras):
+    """Compiled forward+backward matches eager for every way model code lays out q, k, v (the fake
+    gradients must have the real op's strides, or the compiled backward fails)."""
+    torch.manual_seed(0)
+    model = _ViewAttention(kind, extras=dict(extras))
+    x = torch.randn(2, 9, 24)
+    model(x).square().sum().backward()
+    eager = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    out = compiled(x)
+    out.square().sum().backward()
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, eager[name], atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")

@@ -15,7 +15,7 @@ def test_explain_reports_chosen_and_every_backend(clean_registry, make_spy, qkv)
     q, k, v = qkv()
     decision = attnx.explain(q, k, v, causal=True)
     assert decision.chosen in clean_registry
-    assert set(decision.reasons) == set(clean_registry)
+    assert set(decision.reasons) == set(attnx.registered_backends())
     assert decision.reasons[decision.chosen] == []
     assert decision.reasons["naive"] == []  # "would work"
     assert any("float32" in r for r in decision.reasons["declines"])
@@ -46,7 +46,8 @@ def test_forcing_a_declining_backend_lists_its_reasons(clean_registry, make_spy,
 
 
 def test_no_backend_accepts_lists_every_reason(clean_registry, make_spy, qkv):
-    clean_registry.clear()
+    for name in clean_registry:
+        attnx.unregister_backend(name)
     attnx.register_backend(make_spy("only64", **F64_ONLY))
     attnx.register_backend(make_spy("nogqa", supports_gqa=False))
     q, k, v = qkv(hq=4, hkv=2)
@@ -154,13 +155,14 @@ def test_register_backend_clears_the_cache(clean_registry, make_spy, qkv):
     q, k, v = qkv()
     p = attnx.make_problem(q, k, v)
     before = dispatch.choose(p)
-    replacement = attnx.register_backend(make_spy(before.name))
+    replacement = attnx.register_backend(make_spy(before.name, priority={"*": 1000}))
     assert dispatch.choose(p) is replacement
 
 
 def test_priority_prefers_naive_for_small_cpu_problems(qkv):
     q, k, v = qkv()
     small = attnx.make_problem(q, k, v)
+    assert dispatch.priority(small)[0] == "naive"
     big = small._replace(seqlen_q=4096, seqlen_k=4096)
     order_small, order_big = dispatch.priority(small), dispatch.priority(big)
     if "blocked" in order_small:
@@ -204,3 +206,48 @@ def test_deterministic_algorithms_decline_nondeterministic_backward(clean_regist
     finally:
         torch.use_deterministic_algorithms(previous)
     assert attnx.explain(q, k, v, backend="atomics").chosen == "atomics"
+
+
+def test_growing_decode_length_does_not_re_ask(clean_registry, make_spy):
+    """The cache is keyed on power-of-two length buckets: a decode loop asks once per doubling."""
+    spy = attnx.register_backend(make_spy())
+    q = torch.randn(1, 2, 1, 16)
+    for sk in range(1000, 1030):
+        k = torch.randn(1, 2, sk, 16)
+        attnx.attention(q, k, k, backend="spy")
+    assert spy.calls.count("reasons") == 2  # buckets 1024 and 2048
+    assert spy.calls.count("forward") == 30
+
+
+def test_priority_tables_order_backends(clean_registry, make_spy, qkv):
+    q, k, v = qkv(sq=512, sk=512)  # large enough that naive's small-problem rule is off
+    assert attnx.explain(q, k, v).chosen == "blocked"
+    with attnx.registered(make_spy("third_party", priority={"cpu": 100, "*": 0})):
+        assert attnx.explain(q, k, v).chosen == "third_party"
+        p = attnx.make_problem(q, k, v)
+        assert dispatch.priority(p)[0] == "third_party"
+        # the most specific device class wins: "cpu:cpu" (arch) over "cpu" (device type)
+        with attnx.registered(make_spy("by_arch", priority={"cpu:cpu": 200, "cpu": -1})):
+            assert attnx.explain(q, k, v).chosen == "by_arch"
+    assert "third_party" not in attnx.registered_backends()
+    assert attnx.explain(q, k, v).chosen == "blocked"
+
+
+def test_registered_restores_a_replaced_backend(clean_registry, make_spy, qkv):
+    original = attnx.get_backend("naive")
+    with attnx.registered(make_spy("naive")) as spy:
+        assert attnx.get_backend("naive") is spy
+    assert attnx.get_backend("naive") is original
+
+
+def test_backends_decline_contract_features_they_do_not_declare(clean_registry, make_spy, qkv):
+    """Offsets, sinks and new formats default to unsupported, so an older backend declines them."""
+    spy = attnx.register_backend(make_spy())
+    q, k, v = qkv()
+    why = attnx.explain(q[:, :, :4], k, v, offset=0, sinks=torch.zeros(2)).reasons["spy"]
+    assert any("offset" in r for r in why) and any("sinks" in r for r in why)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    packed = attnx.explain(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu_seqlens_q=cu,
+                           cu_seqlens_k=cu).reasons["spy"]
+    assert any("format q=varlen" in r for r in packed)
+    assert "forward" not in spy.calls
