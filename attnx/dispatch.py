@@ -62,8 +62,11 @@ def choose(p: Problem, forced: Optional[str] = None):
         return backend
     if forced is not None:
         registry.get_backend(forced)  # unknown names raise
-    decision = decide(p, forced)
-    if decision.chosen is None:
+    # ask in priority order and stop at the first that accepts; every reason only for the error
+    names = [n for n in priority(p) if allowed is None or n in allowed]
+    chosen = next((n for n in names if not registry.get_backend(n).reasons(p)), None)
+    if chosen is None:
+        decision = decide(p, forced)
         declined = {n: decision.reasons[n] for n in decision.considered}
         if forced is not None:
             message = f"backend {forced!r} declines this problem"
@@ -74,7 +77,7 @@ def choose(p: Problem, forced: Optional[str] = None):
         raise NoBackendError(message, declined)
     if len(_cache) >= _CACHE_LIMIT:
         _cache.clear()
-    backend = _cache[key] = registry.get_backend(decision.chosen)
+    backend = _cache[key] = registry.get_backend(chosen)
     return backend
 
 
