@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import attnx
-from attnx import dispatch, registry
 from attnx.conformance import Case, declared_reasons, generate_cases, run_case
 from attnx.conformance.cases import HEAD_DIMS
 from attnx.conformance.report import write_reports
@@ -21,11 +20,15 @@ NaiveBackend = type(attnx.get_backend("naive"))
 @pytest.fixture
 def register():
     """Register backend instances for one test; the registry is restored afterwards."""
-    saved = dict(registry.registered_backends())
-    yield attnx.register_backend
-    registry._BACKENDS.clear()
-    registry._BACKENDS.update(saved)
-    dispatch.clear_cache()
+    added = []
+
+    def register(backend):
+        added.append(backend.name)
+        return attnx.register_backend(backend)
+
+    yield register
+    for name in added:
+        attnx.unregister_backend(name)
 
 
 def _variant(name, **attributes):
@@ -38,8 +41,9 @@ def _make_problem_of(case: Case):
     inputs, _ = make_inputs(case, "cpu")
     views = inputs.views
     return attnx.make_problem(views["q"], views["k"], views["v"], causal=case.causal, window=case.window,
-                              mask=views.get("mask"), scale=inputs.scale, softcap=case.softcap,
-                              alibi_slopes=inputs.alibi_slopes, layout=case.layout)
+                              offset=case.offset, mask=views.get("mask"), scale=inputs.scale, softcap=case.softcap,
+                              alibi_slopes=inputs.alibi_slopes, sinks=views.get("sinks"), layout=case.layout,
+                              **inputs.index)
 
 
 def test_grid_follows_declarations():
@@ -66,7 +70,7 @@ def test_quick_profile_touches_every_axis_value():
     sizes = seen("seqlen_q") | seen("seqlen_k")
     assert sizes >= {1, 17, 127, 128, 1000}
     assert any(c.seqlen_q < c.seqlen_k for c in cases) and any(c.seqlen_q > c.seqlen_k for c in cases)
-    assert {c.heads_q // c.heads_kv for c in cases} >= {1, 2, 4} and any(c.heads_kv == 1 < c.heads_q for c in cases)
+    assert {c.heads_q // c.heads_kv for c in cases if c.heads_kv} >= {1, 2, 4} and any(c.heads_kv == 1 < c.heads_q for c in cases)
     windows = seen("window")
     for side in (0, 1):
         assert {w[side] if w else None for w in windows} >= {None, 0, 7}
@@ -80,27 +84,41 @@ def test_quick_profile_touches_every_axis_value():
     assert any(c.head_dim != c.head_dim_v for c in cases)
     assert seen("grad") == {True, False} and any(c.mask_grad for c in cases)
     assert len({c.key for c in cases}) == len(cases)
+    assert {c.offset for c in cases} >= {None, 0, 5, -3} and any(c.sinks and c.grad for c in cases)
+    assert any(c.nan for c in cases) and any(0 in (c.batch, c.heads_q, c.seqlen_q, c.seqlen_k) for c in cases)
+    assert {(c.q_format, c.kv_format) for c in cases} == {("dense", "dense"), ("varlen", "varlen"),
+                                                          ("dense", "cache"), ("dense", "paged"), ("varlen", "paged"),
+                                                          ("varlen", "cache")}
+    assert {c.page_size for c in cases} >= {1, 7, 16}
 
 
-def _broken_lse(self, p, *args):
-    out, lse = NaiveBackend.forward(self, p, *args)
+def test_grid_leaves_out_formats_and_features_a_backend_does_not_declare():
+    dense_only = _variant("dense_only", supports_sinks=False, supports_offset=False,
+                          formats=frozenset({("dense", "dense")}))
+    cases = generate_cases(dense_only, "quick")
+    assert cases and all(c.is_dense and not c.sinks and c.offset is None for c in cases)
+
+
+def _broken_lse(self, p, x):
+    out, lse = NaiveBackend.forward(self, p, x)
     return out, lse + 1e-2
 
 
-def _nan_rows(self, p, *args):
-    out, lse = NaiveBackend.forward(self, p, *args)
+def _nan_rows(self, p, x):
+    out, lse = NaiveBackend.forward(self, p, x)
     out[torch.isneginf(lse)] = float("nan")
     return out, lse
 
 
 def _bad_gqa_dk(self, p, *args):
-    dq, dk, dv, dmask = NaiveBackend.backward(self, p, *args)
-    return dq, dk * (0.9 if p.heads_q != p.heads_kv else 1.0), dv, dmask
+    grads = NaiveBackend.backward(self, p, *args)
+    grads.dk = grads.dk * (0.9 if p.heads_q != p.heads_kv else 1.0)
+    return grads
 
 
-def _half_unwritten(self, p, q, *args):
-    out, lse = NaiveBackend.forward(self, p, q, *args)
-    result = attnx.alloc_out(p, q)
+def _half_unwritten(self, p, x):
+    out, lse = NaiveBackend.forward(self, p, x)
+    result = attnx.alloc_out(p, x.q)
     result[:, :, : p.seqlen_q // 2] = out[:, :, : p.seqlen_q // 2]
     result[:, :, p.seqlen_q // 2:] = 0
     return result, lse
@@ -149,11 +167,40 @@ def test_crash_is_a_failure_and_reports_are_written(register, tmp_path):
 
 
 def test_nondeterminism_is_caught_when_declared_deterministic(register):
-    def noisy(self, p, *args):
-        out, lse = NaiveBackend.forward(self, p, *args)
+    def noisy(self, p, x):
+        out, lse = NaiveBackend.forward(self, p, x)
         return out + torch.rand(()).item() * 1e-12, lse
 
     register(_variant("noisy", forward=noisy))
     case = Case("base", "float64", 1, 2, 2, 9, 13, 16, 16)
     result = run_case("noisy", case, "cpu")
     assert result.status == "fail" and any("differs between two runs" in f for f in result.failures)
+
+
+def _ignores_sinks(self, p, x):
+    return NaiveBackend.forward(self, p, x.replace(sinks=None))
+
+
+def _ignores_offset(self, p, x):
+    return NaiveBackend.forward(self, p._replace(offset=None), x)
+
+
+def _first_page_only(self, p, x):
+    if x.page_table is not None:
+        x = x.replace(page_table=x.page_table[:, :1].expand_as(x.page_table).contiguous())
+    return NaiveBackend.forward(self, p, x)
+
+
+def _zeros_for_nan(self, p, x):
+    out, lse = NaiveBackend.forward(self, p, x)
+    return torch.nan_to_num(out), torch.nan_to_num(lse)
+
+
+@pytest.mark.parametrize("forward, group", [(_ignores_sinks, "sinks"), (_ignores_offset, "offset"),
+                                            (_first_page_only, "format"), (_zeros_for_nan, "nan")],
+                         ids=["sinks", "offset", "pages", "nan"])
+def test_broken_contract_features_fail(forward, group, register):
+    register(type("Broken", (NaiveBackend,), {"name": "broken", "forward": forward})())
+    cases = [c for c in generate_cases(attnx.get_backend("broken"), "quick") if c.group == group]
+    statuses = [run_case("broken", c, "cpu").status for c in cases]
+    assert "fail" in statuses, statuses
