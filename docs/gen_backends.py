@@ -25,9 +25,9 @@ if str(ROOT) not in sys.path:
 
 def builtin_backends() -> list:
     """Instances of the built-in backends present in this checkout, in `backends.BUILTIN` order."""
-    from attnx.registry import _import_builtin_backends
+    import attnx.backends
 
-    return list(_import_builtin_backends().builtin_backends())
+    return list(attnx.backends.builtin_backends())
 
 
 def _names(values) -> str:
@@ -89,25 +89,26 @@ ROWS = (
     ("mask gradient", lambda b: _yes(b.supports_mask_grad)),
     ("ALiBi", lambda b: _yes(b.supports_alibi)),
     ("softcap", lambda b: _yes(b.supports_softcap)),
+    ("explicit offset", lambda b: _yes(b.supports_offset)),
+    ("attention sinks", lambda b: _yes(b.supports_sinks)),
+    ("formats (q / k,v)", lambda b: ", ".join(f"{q}/{kv}" for q, kv in sorted(b.formats))),
     ("backward", lambda b: _yes(b.supports_backward)),
     ("deterministic", lambda b: _yes(b.deterministic)),
+    ("priority", lambda b: ", ".join(f"{cls} {rank}" for cls, rank in b.priority.items())),
     ("other limits", _extra_limits),
     ("needs", _needs),
 )
 
 
-def _priority_line() -> str:
-    from attnx import dispatch
+def _priority_line(backends) -> str:
+    from attnx.backend import Backend
 
-    order = " > ".join(f"`{name}`" for name in dispatch.PRIORITY)
-    rules = []
-    triton_first = getattr(dispatch, "TRITON_FIRST_FROM_CAPABILITY", None)
-    if triton_first is not None:
-        rules.append(f"on NVIDIA GPUs of compute capability {triton_first[0]}.{triton_first[1]} and newer, `triton` "
-                     f"goes before `cuda`")
-    rules.append(f"on devices other than CUDA, `naive` goes before `blocked` while "
-                 f"`B * Hq * Sq * Sk <= {dispatch.NAIVE_MAX_SCORES:,}` (`NAIVE_MAX_SCORES`)")
-    return f"Dispatcher priority (`attnx/dispatch.py`): {order}; " + "; ".join(rules) + "."
+    rules = [f"`{b.name}`: {(type(b).rank.__doc__ or '').strip().splitlines()[0].rstrip('.')}"
+             for b in backends if type(b).rank is not Backend.rank]
+    text = ("Dispatcher order (`attnx/dispatch.py`): the accepting backend with the highest priority for the "
+            "problem's device class runs; the most specific entry of a backend's table counts (`cuda:sm_90`, "
+            "then `cuda:nvidia`, `cuda`, `*`)")
+    return text + ("; size rules: " + "; ".join(rules) if rules else "") + "."
 
 
 def render(backends=None) -> str:
@@ -120,7 +121,7 @@ def render(backends=None) -> str:
     lines.append("")
     for b in backends:
         lines.append(f"- **{b.name}**: {b.description}")
-    lines += ["", _priority_line(), "", END]
+    lines += ["", _priority_line(backends), "", END]
     return "\n".join(lines)
 
 
