@@ -11,7 +11,7 @@ import torch
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 for float64 inputs, else float32 (SPEC: accumulation rule)."""
+    """float64 for float64 inputs, else float32 (docs/semantics.md: accumulation)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 

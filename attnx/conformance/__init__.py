@@ -1,4 +1,4 @@
-"""The attnx conformance suite: SPEC.md's Accuracy rules, checked on a grid generated from
+"""The attnx conformance suite: the Accuracy rules of docs/semantics.md, checked on a grid generated from
 each backend's declarations.
 
     python -m attnx.conformance --backend naive --profile quick --report out/naive

@@ -15,7 +15,7 @@ from .runner import default_device, device_problem, run_cases, select_cases
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m attnx.conformance",
-        description="Check a backend against SPEC.md's Accuracy rules on a grid generated from its declarations.",
+        description="Check a backend against the Accuracy rules of docs/semantics.md on a grid generated from its declarations.",
         epilog="Exit status: 0 when no case fails (declined cases are not failures), 1 when any case fails, "
                "2 when the backend cannot run here at all. Examples: "
                "`python -m attnx.conformance --backend naive --report out/naive` writes out/naive.md and "

@@ -1,4 +1,4 @@
-"""Error bounds (SPEC.md, Accuracy), in one place.
+"""Error bounds (docs/semantics.md, Accuracy), in one place.
 
 All errors are max abs errors against a float64 evaluation of the formula on the same inputs.
 
@@ -6,8 +6,8 @@ All errors are max abs errors against a float64 evaluation of the formula on the
   ``uses_tf32 = True``).
 * float16 / bfloat16: each quantity <= 2 x the error of the naive formula on the same low-dtype
   inputs + 1e-3, where that error is the larger of (a) the formula computed in the low dtype
-  (``attention_reference(..., compute_dtype=low)``, gradients by autograd), as SPEC.md says, and
-  (b) the naive backend (float32 accumulation, SPEC's accumulation rule; FlashAttention-style
+  (``attention_reference(..., compute_dtype=low)``, gradients by autograd), as docs/semantics.md says, and
+  (b) the naive backend (float32 accumulation, the contract's accumulation rule; FlashAttention-style
   backward with ``delta = rowsum(dout * out)``). (b) matters with large logits: there (a) is often
   exactly 0 (one-hot softmax snaps in fp16), while any float32-accumulating backward, the naive
   backend included, has ~4e-3 gradient error from ``scale`` (~250) amplifying float32 rounding.
