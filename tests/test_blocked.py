@@ -1,8 +1,9 @@
-"""The blocked backend against SPEC.md's formula (attnx.reference), feature by feature.
+"""The blocked backend against docs/semantics.md's formula (attnx.reference), feature by feature.
 
 Cases come from small tables; each runs forward and backward through `attnx.attention`
-with ``backend="blocked"`` and compares out, lse and every gradient with the float64
-reference. Small forced tiles make every case cross tile boundaries.
+with ``backend="blocked"`` and compares out, lse and every gradient (dsinks included)
+with the float64 reference, differentiated by torch autograd. Small forced tiles make
+every case cross tile boundaries.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 import attnx
+from attnx import Inputs
 from attnx.reference import attention_reference
 
 BACKEND = attnx.get_backend("blocked")
@@ -41,15 +43,22 @@ class Case:
     head_dim_v: Optional[int] = None
     causal: bool = False
     window: Optional[tuple] = None
+    offset: Optional[int] = None          # aligned position of query 0; None = bottom-right
     mask: Optional[str] = None            # None, "bool", "additive"
     mask_shape: tuple = ()                # () = (B, Hq, Sq, Sk); else the mask's own shape
     mask_grad: bool = False
     alibi: Optional[str] = None           # None, "heads" (Hq,), "batch" (B, Hq)
+    sinks: bool = False                   # float32 (Hq,) sink logits, with gradients
     softcap: Optional[float] = None
     scale: Optional[float] = None
     layout: str = "bhsd"
     tiles: Optional[tuple] = (16, 32)     # forced (block_m, block_n); None = the defaults
     extra: dict = field(default_factory=dict)
+
+    def options(self, x: Inputs) -> dict:
+        """The keyword arguments of `attnx.attention` / `attnx.make_problem` besides q, k, v."""
+        return dict(causal=self.causal, window=self.window, offset=self.offset, mask=x.mask, scale=self.scale,
+                    softcap=self.softcap, alibi_slopes=x.alibi_slopes, sinks=x.sinks, layout=self.layout)
 
 
 FEATURES = {
@@ -71,8 +80,10 @@ FEATURES = {
     "mqa": Case(heads_q=4, heads_kv=1, window=(6, 6)),
     "dv_differs": Case(head_dim=12, head_dim_v=20),
     "bshd": Case(layout="bshd", heads_q=4, heads_kv=2, causal=True),
+    "sinks": Case(sinks=True),
+    "sinks_gqa_causal": Case(sinks=True, heads_q=6, heads_kv=2, causal=True, alibi="heads"),
     "everything": Case(heads_q=4, heads_kv=2, causal=True, window=(11, None), alibi="batch", softcap=3.0,
-                       mask="additive", mask_shape=(1, 4, 37, 1), mask_grad=True, head_dim_v=8),
+                       mask="additive", mask_shape=(1, 4, 37, 1), mask_grad=True, head_dim_v=8, sinks=True),
     "default_tiles": Case(tiles=None, seqlen_q=300, seqlen_k=700, alibi="heads", causal=True),
 }
 
@@ -89,7 +100,7 @@ MASK_GRADS = {
 SIZES = [(1, 1), (1, 17), (17, 1), (17, 127), (127, 128), (128, 128), (1000, 127), (127, 1000), (128, 1)]
 
 
-def make_inputs(case: Case, dtype=torch.float64, seed=0):
+def make_inputs(case: Case, dtype=torch.float64, seed=0) -> Inputs:
     gen = torch.Generator().manual_seed(seed)
     dv = case.head_dim_v or case.head_dim
 
@@ -113,61 +124,95 @@ def make_inputs(case: Case, dtype=torch.float64, seed=0):
         alibi = torch.rand((case.heads_q,), generator=gen) * 0.3
     elif case.alibi == "batch":
         alibi = torch.rand((case.batch, case.heads_q), generator=gen) * 0.3
-    return q, k, v, mask, alibi
+    sinks = None
+    if case.sinks:  # around the scores' size, so the sink takes a real share of each row
+        sinks = (torch.randn((case.heads_q,), generator=gen) * 1.5 + 1.0).requires_grad_()
+    return Inputs(q, k, v, mask, alibi, sinks)
 
 
 def to_bhsd(case, t):
     return t.transpose(1, 2) if case.layout == "bshd" else t
 
 
-def run_blocked(case: Case, q, k, v, mask, alibi):
-    """out, lse and grads (q, k, v[, mask]) from the blocked backend."""
-    kwargs = dict(causal=case.causal, window=case.window, mask=mask, scale=case.scale, softcap=case.softcap,
-                  alibi_slopes=alibi, layout=case.layout, backend="blocked", return_lse=True)
+def grad_leaves(case: Case, x: Inputs) -> list:
+    return [x.q, x.k, x.v] + ([x.mask] if case.mask_grad else []) + ([x.sinks] if x.sinks is not None else [])
+
+
+def run_blocked(case: Case, x: Inputs):
+    """out, lse and grads (q, k, v[, mask][, sinks]) from the blocked backend."""
     tiles = BACKEND.force_tile_sizes(*case.tiles) if case.tiles else BACKEND.force_tile_sizes()
     with tiles:
-        out, lse = attnx.attention(q, k, v, **kwargs)
+        out, lse = attnx.attention(x.q, x.k, x.v, **case.options(x), backend="blocked", return_lse=True)
         dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-        leaves = [q, k, v] + ([mask] if case.mask_grad else [])
-        grads = torch.autograd.grad(out, leaves, dout.to(out.dtype))
+        grads = torch.autograd.grad(out, grad_leaves(case, x), dout.to(out.dtype))
     return out, lse, grads, dout
 
 
-def run_reference(case: Case, q, k, v, mask, alibi, dout):
-    """The same in float64 through attnx.reference (bhsd), grads by torch autograd."""
-    p = attnx.make_problem(q, k, v, case.causal, case.window, mask, case.scale, case.softcap, alibi, case.layout)
-    q64, k64, v64 = (to_bhsd(case, t.detach().double()).requires_grad_() for t in (q, k, v))
-    mask64 = None
+def run_reference(case: Case, x: Inputs, dout, compute_dtype=torch.float64):
+    """The same through attnx.reference (bhsd) in `compute_dtype` (float64: the oracle), grads by autograd."""
+    p = attnx.make_problem(x.q, x.k, x.v, **case.options(x))
+    q, k, v = (to_bhsd(case, t.detach().to(compute_dtype)).requires_grad_() for t in (x.q, x.k, x.v))
+    mask = x.mask
     if mask is not None:
-        mask64 = mask.detach() if mask.dtype == torch.bool else mask.detach().double().requires_grad_()
-    out, lse = attention_reference(q64, k64, v64, scale=p.scale, softcap=p.softcap, alibi_slopes=alibi,
-                                   mask=mask64, window_left=p.window_left, window_right=p.window_right)
-    leaves = [q64, k64, v64] + ([mask64] if case.mask_grad else [])
-    grads = torch.autograd.grad(out, leaves, to_bhsd(case, dout))
+        mask = mask.detach() if mask.dtype == torch.bool else mask.detach().to(compute_dtype).requires_grad_()
+    sinks = None if x.sinks is None else x.sinks.detach().to(compute_dtype).requires_grad_()
+    out, lse = attention_reference(q, k, v, scale=p.scale, softcap=p.softcap, alibi_slopes=x.alibi_slopes,
+                                   mask=mask, window_left=p.window_left, window_right=p.window_right,
+                                   offset=p.offset, sinks=sinks, compute_dtype=compute_dtype)
+    leaves = grad_leaves(case, Inputs(q, k, v, mask, None, sinks))
+    grads = torch.autograd.grad(out, leaves, to_bhsd(case, dout).to(compute_dtype))
     grads = [to_bhsd(case, g) for g in grads[:3]] + list(grads[3:])
     return to_bhsd(case, out), lse, grads
 
 
-def assert_close(name, got, want, atol):
+def assert_close(name, got, want, atol, nan_ok=False):
+    """Max abs error within `atol` where both are finite; infinities at the same places.
+
+    ``nan_ok``: NaN allowed where the reference has NaN: at exactly its places (``True``), or, for
+    gradients of NaN inputs (``"grads"``), wherever it reaches (NaN in one iff NaN in the other,
+    values compared where neither has NaN). The contract fixes only the rows of the output there;
+    the oracle's autograd spreads NaN through ``0 * NaN`` in its full matmuls (keys a row never
+    sees), a tiled backward through ``exp(-inf - NaN)`` at the hidden entries of the tiles it visits.
+    """
     assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    assert not torch.isnan(got).any(), f"{name}: NaN"
     got, want = got.double(), want.double()
-    both_inf = torch.isinf(got) & torch.isinf(want) & (torch.sign(got) == torch.sign(want))
-    err = torch.where(both_inf, torch.zeros_like(got), (got - want).abs())
+    if nan_ok == "grads":
+        assert got.isnan().any() == want.isnan().any(), f"{name}: NaN reaches only one of it and the reference"
+        poisoned = got.isnan() | want.isnan()
+        got, want = got.masked_fill(poisoned, 0.0), want.masked_fill(poisoned, 0.0)
+    elif nan_ok:
+        assert torch.equal(got.isnan(), want.isnan()), f"{name}: NaN at other places than the reference's"
+    else:
+        assert not torch.isnan(got).any(), f"{name}: NaN"
+    assert torch.equal(got.isinf(), want.isinf()), f"{name}: infinities at other places than the reference's"
+    same = got.isnan() | (got.isinf() & (got == want))
+    err = torch.where(same, torch.zeros_like(got), (got - want).abs())
     assert err.max().item() <= atol, f"{name}: max abs error {err.max().item():.3g} > {atol}"
 
 
-def check_case(case: Case, dtype=torch.float64, atol=1e-10, seed=0):
-    q, k, v, mask, alibi = make_inputs(case, dtype, seed)
-    out, lse, grads, dout = run_blocked(case, q, k, v, mask, alibi)
-    ref_out, ref_lse, ref_grads = run_reference(case, q, k, v, mask, alibi, dout)
+def grad_bound(name: str, want: torch.Tensor, atol: float) -> float:
+    """`atol` relative to the gradient's size; dsinks is float32 whatever the inputs (its rounding bounds it)."""
+    size = 1 + want.nan_to_num(0.0, 0.0, 0.0).abs().max().item()
+    return max(atol, 1e-6) * size if name == "dsinks" else atol * size
+
+
+def check_case(case: Case, dtype=torch.float64, atol=1e-10, seed=0, x: Optional[Inputs] = None, nan_ok=False):
+    """Blocked against the float64 oracle; ``nan_ok``: NaN inputs (out and lse NaN exactly where the
+    oracle's are; gradients, see `assert_close`)."""
+    x = make_inputs(case, dtype, seed) if x is None else x
+    out, lse, grads, dout = run_blocked(case, x)
+    ref_out, ref_lse, ref_grads = run_reference(case, x, dout)
     assert out.dtype == dtype and lse.dtype == torch.float32
-    assert_close("out", out, ref_out, atol)
+    assert_close("out", out, ref_out, atol, nan_ok)
     # lse is float32 whatever the input: compare it at float32 precision
-    assert_close("lse", lse, ref_lse, max(atol, 1e-5 * (1 + ref_lse.abs().nan_to_num(0, 0, 0).max().item())))
-    for name, got, want in zip(("dq", "dk", "dv", "dmask"), grads, ref_grads):
-        scale = 1 + want.abs().max().item()
-        assert_close(name, got, want, atol * scale)
+    lse_scale = 1 + ref_lse.nan_to_num(0, 0, 0).abs().max().item()
+    assert_close("lse", lse, ref_lse, max(atol, 1e-5 * lse_scale), nan_ok)
+    names = ["dq", "dk", "dv"] + ["dmask"] * case.mask_grad + ["dsinks"] * (x.sinks is not None)
+    if x.sinks is not None:
+        assert grads[-1].dtype == torch.float32
+    for name, got, want in zip(names, grads, ref_grads):
+        assert_close(name, got, want, grad_bound(name, want, atol), nan_ok and "grads")
+    return out, lse, grads
 
 
 @pytest.mark.parametrize("name", list(FEATURES))
@@ -196,45 +241,101 @@ def test_mask_gradient_shapes(shape_name):
 def test_low_precision(name, dtype):
     """float32 within 1e-4 of float64; fp16/bf16 within 2x the naive formula's own error + 1e-3."""
     case = FEATURES[name]
-    q, k, v, mask, alibi = make_inputs(case, dtype)
-    out, lse, grads, dout = run_blocked(case, q, k, v, mask, alibi)
-    ref_out, ref_lse, ref_grads = run_reference(case, q, k, v, mask, alibi, dout)
+    x = make_inputs(case, dtype)
+    out, lse, grads, dout = run_blocked(case, x)
+    ref_out, ref_lse, ref_grads = run_reference(case, x, dout)
     if dtype == torch.float32:
-        bounds = [1e-4] * (1 + len(grads))
+        bounds = [1e-4] + [1e-4 * (1 + r.abs().max().item()) for r in ref_grads]
     else:
-        p = attnx.make_problem(q, k, v, case.causal, case.window, mask, case.scale, case.softcap, alibi, case.layout)
-        ql, kl, vl = (to_bhsd(case, t.detach()).requires_grad_() for t in (q, k, v))
-        ml = mask.detach().requires_grad_(case.mask_grad) if mask is not None and mask.is_floating_point() else mask
-        low, _ = attention_reference(ql, kl, vl, scale=p.scale, softcap=p.softcap, alibi_slopes=alibi, mask=ml,
-                                     window_left=p.window_left, window_right=p.window_right, compute_dtype=dtype)
-        leaves = [ql, kl, vl] + ([ml] if case.mask_grad else [])
-        low_grads = torch.autograd.grad(low, leaves, to_bhsd(case, dout).to(dtype))
-        low_grads = [to_bhsd(case, g) for g in low_grads[:3]] + list(low_grads[3:])
-        naive = [to_bhsd(case, low)] + low_grads
-        refs = [ref_out] + ref_grads
-        bounds = [2 * (n.double() - r).abs().max().item() + 1e-3 for n, r in zip(naive, refs)]
+        low, _, low_grads = run_reference(case, x, dout, compute_dtype=dtype)
+        bounds = [2 * (n.double() - r).abs().max().item() + 1e-3
+                  for n, r in zip([low] + low_grads, [ref_out] + ref_grads)]
     assert_close("out", out, ref_out, bounds[0])
     assert_close("lse", lse, ref_lse, 1e-3)
-    for name_, got, want, bound in zip(("dq", "dk", "dv", "dmask"), grads, ref_grads, bounds[1:]):
-        assert_close(name_, got, want, bound)
+    for index, (got, want, bound) in enumerate(zip(grads, ref_grads, bounds[1:])):
+        assert_close(f"grad {index}", got, want, bound)
+
+
+# explicit alignment offsets (docs/semantics.md): 0 is top-left; Sq = 37, Sk = 45 (bottom-right is 8)
+OFFSETS = {"top_left": 0, "positive": 20, "negative": -10, "past_the_keys": 50, "before_the_keys": -40}
+OFFSET_FEATURES = {
+    "causal": Case(causal=True),
+    "window": Case(window=(6, 3)),
+    "causal_window_alibi": Case(causal=True, window=(9, None), alibi="batch", heads_q=4, heads_kv=2),
+    "alibi_only": Case(alibi="heads"),
+    "causal_sinks_sq_gt_sk": Case(causal=True, sinks=True, seqlen_q=45, seqlen_k=37),
+}
+
+
+@pytest.mark.parametrize("offset", list(OFFSETS))
+@pytest.mark.parametrize("feature", list(OFFSET_FEATURES))
+def test_explicit_offset(feature, offset):
+    """Query i at aligned position i + offset: causal, window and alibi against the oracle (keyless rows too)."""
+    check_case(replace(OFFSET_FEATURES[feature], offset=OFFSETS[offset]))
+
+
+def test_offset_top_left_is_sdpa_causal():
+    """offset=0 with causal is what F.scaled_dot_product_attention(is_causal=True) computes for Sq != Sk."""
+    case = Case(causal=True, offset=0, seqlen_q=45, seqlen_k=37)
+    x = make_inputs(case)
+    with torch.no_grad():
+        out = attnx.attention(x.q, x.k, x.v, causal=True, offset=0, backend="blocked")
+        want = torch.nn.functional.scaled_dot_product_attention(x.q, x.k, x.v, is_causal=True)
+    assert_close("out", out, want, 1e-10)
+    assert BACKEND.reasons(attnx.make_problem(x.q, x.k, x.v, causal=True, offset=0)) == []
+
+
+# sinks: per-head logits from far below the scores (no effect) to far above (they take the whole row)
+SINK_LEVELS = {"small": -30.0, "comparable": 0.5, "dominant": 12.0, "minus_inf": float("-inf")}
+SINK_FEATURES = {
+    "plain": Case(sinks=True),
+    "gqa_causal": Case(sinks=True, heads_q=6, heads_kv=2, causal=True),
+    "window_softcap_mask": Case(sinks=True, window=(5, 2), softcap=2.0, mask="additive", mask_grad=True,
+                                mask_shape=(1, 4, 37, 45)),
+    "bshd_alibi": Case(sinks=True, layout="bshd", alibi="heads", heads_q=4, heads_kv=1),
+}
+
+
+@pytest.mark.parametrize("level", list(SINK_LEVELS))
+@pytest.mark.parametrize("feature", list(SINK_FEATURES))
+def test_sinks(feature, level):
+    """out, lse (which includes the sink) and every gradient, dsinks included, against the oracle."""
+    case = SINK_FEATURES[feature]
+    x = make_inputs(case)
+    sinks = torch.full((case.heads_q,), SINK_LEVELS[level])
+    sinks[0] = 1.0  # one head with a sink of the scores' size, whatever the level
+    out, lse, grads = check_case(case, x=x.replace(sinks=sinks.requires_grad_()))
+    if level == "minus_inf":  # no sink: heads 1.. are plain attention, and get a zero gradient
+        assert (grads[-1][1:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_sinks_keyless_rows(dtype):
+    """A row that sees no key gets out 0 and lse = sink, with zero dq; tiles without keys too."""
+    case = Case(causal=True, sinks=True, seqlen_q=50, seqlen_k=30, mask="bool", tiles=(16, 16))
+    x = make_inputs(case, dtype)
+    mask = torch.rand(case.batch, case.heads_q, 50, 30, generator=torch.Generator().manual_seed(5)) < 0.8
+    mask[:, :, 40:45] = False
+    atol = 1e-10 if dtype == torch.float64 else 1e-4
+    out, lse, grads = check_case(case, dtype, atol=atol, x=x.replace(mask=mask))
+    keyless = torch.zeros(50, dtype=torch.bool)
+    keyless[:20] = keyless[40:45] = True   # p_i = i - 20 < 0, and the masked rows
+    sinks = x.sinks.detach()[None, :, None].expand(case.batch, -1, int(keyless.sum()))
+    torch.testing.assert_close(lse[:, :, keyless], sinks, rtol=4e-7, atol=4e-7)  # base-2 round trip
+    assert (out[:, :, keyless] == 0).all() and (grads[0][:, :, keyless] == 0).all()
 
 
 def test_fully_masked_rows():
     """Rows that see no key (bool mask rows, causal rows before the first key): out 0, lse -inf, grads 0."""
     case = Case(causal=True, seqlen_q=50, seqlen_k=30, mask="bool", tiles=(16, 16))
-    q, k, v, _, _ = make_inputs(case)
+    x = make_inputs(case)
     mask = torch.rand(case.batch, case.heads_q, 50, 30) < 0.8
     mask[:, :, 40:45] = False
-    out, lse, grads, dout = run_blocked(case, q, k, v, mask, None)
-    ref_out, ref_lse, ref_grads = run_reference(case, q, k, v, mask, None, dout)
-    dead = torch.isinf(ref_lse)
+    out, lse, grads = check_case(case, x=x.replace(mask=mask))
+    dead = torch.isinf(lse)
     assert dead[:, :, :20].all() and dead[:, :, 40:45].all()  # p_i = i - 20 < 0, and the masked rows
-    assert torch.isinf(lse[dead]).all() and (lse[dead] < 0).all()
-    assert (out[dead] == 0).all()
-    assert (grads[0][dead] == 0).all()
-    for got, want in zip((out, *grads), (ref_out, *ref_grads)):
-        assert torch.isfinite(got).all()
-        assert_close("value", got, want, 1e-10 * (1 + want.abs().max().item()))
+    assert (lse[dead] < 0).all() and (out[dead] == 0).all() and (grads[0][dead] == 0).all()
+    assert all(torch.isfinite(t).all() for t in (out, *grads))
 
 
 def test_window_sees_nothing():
@@ -243,18 +344,61 @@ def test_window_sees_nothing():
                     mask_shape=(1, 1, 80, 20)))
 
 
+# one NaN input element: (tensor, index; bhsd cases); every row that reads it turns NaN
+NAN_PLACES = {
+    "q_row": ("q", (0, 1, 5, 3)),
+    "k_key": ("k", (1, 0, 0, 2)),       # key 0: every row sees it, causal or not
+    "k_last_key": ("k", (0, 1, 44, 0)),  # causal: only the last query sees key 44, the others stay finite
+    "v_key": ("v", (0, 1, 0, 0)),       # one element of key 0's value: that output column
+    "mask_score": ("mask", (1, 2, 3, 0)),
+    "sink": ("sinks", (2,)),
+}
+NAN_FEATURES = {
+    "plain": Case(sinks=True, mask="additive", mask_grad=True),
+    "gqa_causal": Case(sinks=True, mask="additive", heads_q=4, heads_kv=2, causal=True),
+}
+
+
+@pytest.mark.parametrize("place", list(NAN_PLACES))
+@pytest.mark.parametrize("feature", list(NAN_FEATURES))
+def test_nan_inputs_give_nan_rows(feature, place):
+    """NaN in an input makes NaN the rows that read it (out and lse), never a masked row; other rows exact."""
+    case = NAN_FEATURES[feature]
+    name, index = NAN_PLACES[place]
+    x = make_inputs(case)
+    poisoned = getattr(x, name).detach().clone()
+    poisoned[index] = float("nan")
+    x = x.replace(**{name: poisoned.requires_grad_(getattr(x, name).requires_grad)})
+    out, lse, _ = check_case(case, x=x, nan_ok=True)
+    nan_rows = out.isnan().any(dim=-1)
+    assert nan_rows.any() and not nan_rows.all()
+    if name == "v":  # one V element: that output column only; lse reads no V
+        assert not lse.isnan().any()
+    else:  # a NaN score: the whole row, out and lse
+        assert torch.equal(out.isnan().all(dim=-1), nan_rows) and torch.equal(lse.isnan(), nan_rows)
+
+
+def test_nan_in_rows_nobody_reads():
+    """A NaN score that the causal rule hides (masked, not read) leaves every row finite, as in the oracle."""
+    case = Case(causal=True, mask="additive")
+    x = make_inputs(case)
+    mask = x.mask.detach().clone()
+    mask[:, :, 0, 20] = float("nan")   # query 0 sits at p = 8: key 20 is in its future
+    check_case(case, x=x.replace(mask=mask))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_large_logits_stay_finite(dtype):
     """|s| up to 1e4 after scaling: finite, and rows dominated by their largest score."""
     case = Case(causal=True)
-    q, k, v, _, _ = make_inputs(case, dtype)
+    x = make_inputs(case, dtype)
     with torch.no_grad():
-        q.mul_(50)
-        k.mul_(50)
-    out, lse, grads, dout = run_blocked(case, q, k, v, None, None)
+        x.q.mul_(50)
+        x.k.mul_(50)
+    out, lse, grads, dout = run_blocked(case, x)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert all(torch.isfinite(g).all() for g in grads)
-    ref_out, ref_lse, _ = run_reference(case, q, k, v, None, None, dout)
+    ref_out, ref_lse, _ = run_reference(case, x, dout)
     assert (lse.double() - ref_lse).abs().max().item() <= 1e-3 * ref_lse.abs().max().item()
 
 
@@ -266,7 +410,9 @@ def test_poisoned_outputs(monkeypatch):
     monkeypatch.setattr(forward_module, "alloc_out", poisoned_out)
     monkeypatch.setattr(backward_module, "empty_like", lambda t: torch.empty_like(t).fill_(float("nan")))
     for case in (FEATURES["everything"], replace(FEATURES["causal_sq_gt_sk"], seqlen_q=70),
-                 Case(window=(None, 0), seqlen_q=80, seqlen_k=20), FEATURES["bshd"]):
+                 Case(window=(None, 0), seqlen_q=80, seqlen_k=20), Case(window=(None, 0), seqlen_q=80,
+                                                                        seqlen_k=20, sinks=True),
+                 FEATURES["bshd"]):
         check_case(case)
 
 
@@ -279,11 +425,7 @@ def test_non_contiguous_inputs():
     k = base_k.expand(2, 2, 45, 16)
     v = torch.randn(2, 45, 2, 16, generator=gen, dtype=torch.float64).transpose(1, 2).requires_grad_()
     alibi = torch.rand(4, generator=gen)
-    out, lse, grads, dout = run_blocked(case, q, k, v, None, alibi)
-    ref_out, _, ref_grads = run_reference(case, q, k, v, None, alibi, dout)
-    assert_close("out", out, ref_out, 1e-10)
-    for got, want in zip(grads, ref_grads):
-        assert_close("grad", got, want, 1e-9)
+    check_case(case, x=Inputs(q, k, v, alibi_slopes=alibi), atol=1e-10)
 
 
 def test_threaded_path_matches(monkeypatch):
@@ -292,11 +434,12 @@ def test_threaded_path_matches(monkeypatch):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        p = attnx.make_problem(*make_inputs(Case())[:3])
+        x = make_inputs(Case())
+        p = attnx.make_problem(x.q, x.k, x.v)
         assert parallel_module.worker_count(p, 4) == 2
         for mask_shape in ((1, 2, 1, 45), (1, 1, 37, 45)):  # per-worker and shared dmask
             check_case(Case(heads_q=4, heads_kv=2, mask="additive", mask_shape=(1, 4) + mask_shape[2:],
-                            mask_grad=True, causal=True, tiles=(8, 16)))
+                            mask_grad=True, causal=True, tiles=(8, 16), sinks=True, offset=-3))
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
@@ -304,7 +447,8 @@ def test_threaded_path_matches(monkeypatch):
 
 def test_tile_override(monkeypatch):
     """force_tile_sizes sets the tiles inside the block only; causal skips tiles above the diagonal."""
-    q, k, v, _, _ = make_inputs(Case(batch=1, heads_q=1, heads_kv=1, seqlen_q=64, seqlen_k=64))
+    x = make_inputs(Case(batch=1, heads_q=1, heads_kv=1, seqlen_q=64, seqlen_k=64))
+    q, k, v = x.q, x.k, x.v
     p = attnx.make_problem(q, k, v, causal=True)
     default = BACKEND.tile_sizes(p)
     assert default == blocked_pkg.default_tile_sizes(p)
@@ -333,13 +477,20 @@ def test_tile_override(monkeypatch):
 
 
 def test_declarations():
-    """Accepts every feature on the CPU; declines float64 on mps with a reason."""
-    case = FEATURES["everything"]
-    q, k, v, mask, alibi = make_inputs(case)
-    p = attnx.make_problem(q, k, v, case.causal, case.window, mask, case.scale, case.softcap, alibi, case.layout)
+    """Accepts every feature (offsets and sinks included) on the CPU; declines float64 on mps, and the
+    varlen/cache/paged formats, with a reason; ranks behind naive only where naive ranks itself first."""
+    case = replace(FEATURES["everything"], offset=3)
+    x = make_inputs(case)
+    p = attnx.make_problem(x.q, x.k, x.v, **case.options(x))
+    assert p.offset == 3 and p.has_sinks
     assert BACKEND.reasons(p) == []
     assert {"cpu", "cuda", "mps", "xpu"} <= BACKEND.device_types
     assert any("float64" in r for r in BACKEND.reasons(p._replace(device_type="mps", vendor="apple", arch="mps")))
+    for kv_format in ("cache", "paged"):
+        assert any("format" in r for r in BACKEND.reasons(p._replace(kv_format=kv_format)))
+    assert BACKEND.rank(p) == 20
+    naive = attnx.get_backend("naive")
+    assert naive.rank(p.bucketed()) < BACKEND.rank(p.bucketed())  # 2*4*37*45 scores: small, but GQA
 
 
 MEMORY_SCRIPT = textwrap.dedent("""

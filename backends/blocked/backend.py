@@ -2,7 +2,9 @@
 
 Queries and keys are processed in tiles with an online softmax (forward) and an
 lse-based recomputation (backward), so memory grows with ``S * D``, never
-``Sq * Sk``. Every feature of SPEC.md is supported on every dtype and head dim.
+``Sq * Sk``. Every feature of docs/semantics.md (explicit alignment offsets and
+attention sinks included) is supported on every dtype and head dim, for dense
+tensors; the varlen, cache and paged formats are declined (the default `formats`).
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import contextlib
 from typing import Optional
 
 from attnx.backend import Backend
+from attnx.inputs import Grads, Inputs
 from attnx.problem import Problem
 
 from .backward import blocked_backward
@@ -23,6 +26,10 @@ class BlockedBackend(Backend):
                    "and mask; memory grows with S*D, not Sq*Sk")
     device_types = frozenset({"cpu", "cuda", "mps", "xpu"})
     deterministic = True
+    supports_offset = True
+    supports_sinks = True
+    # behind naive for small CPU problems (naive ranks itself 30 there), behind the GPU kernels
+    priority = {"*": 20}
 
     def __init__(self):
         self._forced = TileSizes(None, None)
@@ -60,11 +67,11 @@ class BlockedBackend(Backend):
             self._forced = previous
 
     # -- compute ------------------------------------------------------------------------
-    def forward(self, p, q, k, v, mask, alibi_slopes):
-        return blocked_forward(p, q, k, v, mask, alibi_slopes, self.tile_sizes(p))
+    def forward(self, p: Problem, x: Inputs):
+        return blocked_forward(p, x, self.tile_sizes(p))
 
-    def backward(self, p, q, k, v, mask, alibi_slopes, out, lse, dout):
-        return blocked_backward(p, q, k, v, mask, alibi_slopes, out, lse, dout, self.tile_sizes(p, backward=True))
+    def backward(self, p: Problem, x: Inputs, out, lse, dout) -> Grads:
+        return blocked_backward(p, x, out, lse, dout, self.tile_sizes(p, backward=True))
 
 
 BACKEND = BlockedBackend()

@@ -3,21 +3,28 @@
 Per tile: P = exp(S - lse); dV += P^T dO; dP = dO V^T; dS = P * (dP - delta) with
 delta = rowsum(dO * O); softcap multiplies dS by 1 - tanh^2; dK += dS^T Q * scale;
 dQ += dS K * scale; an additive mask that requires grad receives dS summed over the
-dimensions it broadcasts. GQA grads sum over the group inside the GEMMs.
+dimensions it broadcasts. GQA grads sum over the group inside the GEMMs. The forward's
+lse already counts the sinks, so P needs nothing more for them; their gradient comes
+from every row's lse and delta (`attnx.inputs.sinks_grad`).
 """
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
+from attnx.inputs import Grads, Inputs, sinks_grad
+from attnx.limits import LOG2E
 from attnx.problem import Problem
 
 from .forward import scratch, tile_view
-from .operands import LN2, LOG2E, Operands, prepare
+from .operands import LN2, Operands, prepare
 from .parallel import map_tiles
 from .scores import score_tile
 from .tiles import TileSizes, key_count, key_span
+
+INF = float("inf")
 
 
 def empty_like(t: torch.Tensor) -> torch.Tensor:
@@ -28,14 +35,40 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
 def refine_lse(ops: Operands, q_tile, lse_tile, i0: int, i1: int, lo: int, hi: int, block_n: int, buffer):
     """Base-2 lse in the accumulation dtype from the float32 one: ``lse + log2(sum exp2(s - lse))``.
 
-    The forward's lse is float32; float64 inputs need the exact denominator in float64.
+    The forward's lse is float32; float64 inputs need the exact denominator in float64
+    (the sinks included). Rows that saw nothing (lse = +inf here) keep +inf.
     """
+    dead_rows = lse_tile == INF
     total = torch.zeros_like(lse_tile)
     for j0 in range(lo, hi, block_n):
         j1 = min(j0 + block_n, hi)
         s = score_tile(ops, q_tile, i0, i1, j0, j1, tile_view(buffer, ops, i1 - i0, j1 - j0))
         total.add_(s.sub_(lse_tile).exp2_().sum(dim=-1, keepdim=True))
-    return lse_tile + total.log2()
+    if ops.sinks5 is not None:
+        total.add_((ops.sink_rows(i1 - i0) - lse_tile).exp2_())
+    return (lse_tile + total.log2()).masked_fill_(dead_rows, INF)
+
+
+class SinkGradient:
+    """Every row's delta and lse (natural log, accumulation dtype), filled tile by tile, for dsinks."""
+
+    def __init__(self, ops: Operands, lse: torch.Tensor):
+        self.split = (ops.p.batch, ops.p.heads_kv, ops.p.group_size)
+        self.lse = lse.to(ops.acc, copy=True)
+        # rows no tile visits saw no key: out = 0 there, so delta = 0
+        self.delta = torch.zeros_like(self.lse)
+        self.lse5, self.delta5 = ops.split_heads(self.lse), ops.split_heads(self.delta)
+        self.refined = ops.acc != torch.float32
+
+    def record(self, i0: int, i1: int, delta: torch.Tensor, lse_tile: torch.Tensor) -> None:
+        """`delta` and the base-2 `lse_tile` (+inf: saw nothing) of rows ``[i0, i1)``, ``(B*Hkv, G*rows, 1)``."""
+        self.delta5[:, :, :, i0:i1].copy_(delta.view(*self.split, i1 - i0))
+        if self.refined:
+            natural = (lse_tile * LN2).masked_fill_(lse_tile == INF, float("-inf"))
+            self.lse5[:, :, :, i0:i1].copy_(natural.view(*self.split, i1 - i0))
+
+    def grad(self, sinks: torch.Tensor) -> torch.Tensor:
+        return sinks_grad(sinks, self.lse, self.delta).to(torch.float32)
 
 
 class MaskGradient:
@@ -73,19 +106,17 @@ class KeyGradients:
             self.dmask = shared_mask_grad if shared_mask_grad is not None else MaskGradient(ops)
 
 
-def rows_backward(ops: Operands, grads: KeyGradients, i0: int, i1: int, do_tile, delta, lse_tile,
+def rows_backward(ops: Operands, grads: KeyGradients, i0: int, i1: int, q_tile, do_tile, delta, lse_tile,
                   tiles: TileSizes, buffers) -> torch.Tensor:
-    """Accumulate dK, dV, dmask of query rows ``[i0, i1)`` into `grads`; return their dQ tile."""
+    """Accumulate dK, dV, dmask of query rows ``[i0, i1)`` into `grads`; return their dQ tile.
+
+    `q_tile` holds ``q * scale * log2(e)``; `lse_tile` is base 2 with +inf for rows that saw nothing.
+    """
     p = ops.p
     rows = i1 - i0
     lo, hi = key_span(p, i0, i1)
     scores_buf, dp_buf, tanh_buf, key_buf = buffers
-    q_tile = ops.q_tile(i0, i1)  # times scale * log2(e)
     dq_tile = torch.zeros((ops.batch_heads, p.group_size * rows, p.head_dim), dtype=ops.acc, device=q_tile.device)
-    if ops.acc != torch.float32:  # float64: the float32 lse is not exact enough
-        dead_rows = lse_tile == float("inf")
-        lse_tile = refine_lse(ops, q_tile, lse_tile, i0, i1, lo, hi, tiles.block_n, scores_buf)
-        lse_tile.masked_fill_(dead_rows, float("inf"))
     for j0 in range(lo, hi, tiles.block_n):
         j1 = min(j0 + tiles.block_n, hi)
         cols = j1 - j0
@@ -109,22 +140,23 @@ def rows_backward(ops: Operands, grads: KeyGradients, i0: int, i1: int, do_tile,
     return dq_tile
 
 
-def blocked_backward(p: Problem, q, k, v, mask, alibi_slopes, out, lse, dout, tiles: TileSizes):
-    """``(dq, dk, dv, dmask)``; dmask is None unless ``p.mask_requires_grad``."""
-    ops = prepare(p, q, k, v, mask, alibi_slopes)
-    dq = empty_like(q)
+def blocked_backward(p: Problem, x: Inputs, out, lse, dout, tiles: TileSizes) -> Grads:
+    """`Grads` of q, k, v (dmask when ``p.mask_requires_grad``, dsinks when ``p.has_sinks``)."""
+    ops = prepare(p, x)
+    dq = empty_like(x.q)
     dq5, out5, dout5, lse5 = (ops.split_heads(t) for t in (dq, out, dout, lse))
     split = (p.batch, p.heads_kv, p.group_size)
     # a mask with a query-row dimension gets disjoint rows from each worker: share one gradient
     shared_mask_grad = None
     if p.mask_requires_grad and p.mask_shape[2] != 1:
         shared_mask_grad = MaskGradient(ops)
+    sink_grad: Optional[SinkGradient] = SinkGradient(ops, lse) if p.has_sinks else None
 
     def run(starts):
         grads = KeyGradients(ops, shared_mask_grad)
         tile_buffer = functools.partial(scratch, ops, tiles.block_m, tiles.block_n)
         key_buffer = torch.empty(ops.batch_heads * tiles.block_n * max(p.head_dim, p.head_dim_v), dtype=ops.acc,
-                                 device=q.device)
+                                 device=x.q.device)
         buffers = (tile_buffer(), tile_buffer(), tile_buffer() if p.softcap is not None else None, key_buffer)
         for i0 in starts:
             i1 = min(i0 + tiles.block_m, p.seqlen_q)
@@ -136,8 +168,13 @@ def blocked_backward(p: Problem, q, k, v, mask, alibi_slopes, out, lse, dout, ti
             delta = (do_tile * ops.rows(out5[:, :, :, i0:i1])).sum(dim=-1, keepdim=True)
             lse_tile = ops.rows(lse5[:, :, :, i0:i1, None], LOG2E)  # base 2, like the scores
             # rows that saw no key: lse = -inf; +inf makes exp2(s - lse) = 0 for them
-            lse_tile.masked_fill_(lse_tile == float("-inf"), float("inf"))
-            dq_tile = rows_backward(ops, grads, i0, i1, do_tile, delta, lse_tile, tiles, buffers)
+            lse_tile.masked_fill_(lse_tile == float("-inf"), INF)
+            q_tile = ops.q_tile(i0, i1)  # times scale * log2(e)
+            if ops.acc != torch.float32:  # float64: the float32 lse is not exact enough
+                lse_tile = refine_lse(ops, q_tile, lse_tile, i0, i1, lo, hi, tiles.block_n, buffers[0])
+            if sink_grad is not None:
+                sink_grad.record(i0, i1, delta, lse_tile)
+            dq_tile = rows_backward(ops, grads, i0, i1, q_tile, do_tile, delta, lse_tile, tiles, buffers)
             dq5[:, :, :, i0:i1].copy_(dq_tile.view(*split, i1 - i0, p.head_dim))
         return grads
 
@@ -147,7 +184,7 @@ def blocked_backward(p: Problem, q, k, v, mask, alibi_slopes, out, lse, dout, ti
     for part in parts[1:]:
         dk_acc.add_(part.dk)
         dv_acc.add_(part.dv)
-    dk, dv = empty_like(k), empty_like(v)
+    dk, dv = empty_like(x.k), empty_like(x.v)
     dk.copy_(dk_acc.view(p.batch, p.heads_kv, p.seqlen_k, p.head_dim))
     dv.copy_(dv_acc.view(p.batch, p.heads_kv, p.seqlen_k, p.head_dim_v))
     grad_mask = None
@@ -156,5 +193,6 @@ def blocked_backward(p: Problem, q, k, v, mask, alibi_slopes, out, lse, dout, ti
         if shared_mask_grad is None:
             for part in parts[1:]:
                 dmask.grad.add_(part.dmask.grad)
-        grad_mask = dmask.grad.to(mask.dtype)
-    return dq, dk, dv, grad_mask
+        grad_mask = dmask.grad.to(x.mask.dtype)
+    dsinks = sink_grad.grad(x.sinks) if sink_grad is not None else None
+    return Grads(dq, dk, dv, grad_mask, dsinks)

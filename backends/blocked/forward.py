@@ -1,15 +1,20 @@
 """Forward: query tiles outside, key tiles inside, online softmax in the accumulation dtype."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from attnx.autograd import alloc_out
+from attnx.inputs import Inputs
 from attnx.problem import Problem
 
 from .operands import LN2, Operands, prepare
 from .parallel import map_tiles
 from .scores import score_tile
 from .tiles import TileSizes, key_count, key_span
+
+NEG_INF = float("-inf")
 
 
 def scratch(ops: Operands, rows: int, cols: int) -> torch.Tensor:
@@ -23,8 +28,22 @@ def tile_view(buffer: torch.Tensor, ops: Operands, rows: int, cols: int) -> torc
 
 
 def safe_max(m: torch.Tensor) -> torch.Tensor:
-    """The running max with -inf (row saw no key yet) replaced by 0, so exp2(s - max) never makes NaN."""
-    return torch.nan_to_num(m, neginf=0.0)
+    """The running max with -inf (row saw no key yet) replaced by 0, so exp2(s - max) never makes NaN.
+
+    Only -inf: a NaN max (a NaN score) stays NaN and makes its row NaN (docs/semantics.md).
+    """
+    return m.masked_fill(m == NEG_INF, 0.0)
+
+
+def add_sink(ops: Operands, rows: int, row_max, row_sum, acc) -> torch.Tensor:
+    """Fold each row's sink (a key of score ``sink``, value 0) into `row_sum`; return the new max."""
+    sink = ops.sink_rows(rows)
+    new_max = torch.maximum(row_max, sink)
+    shift = safe_max(new_max)
+    rescale = (row_max - shift).exp2_()
+    row_sum.mul_(rescale).add_((sink - shift).exp2_())
+    acc.mul_(rescale)
+    return new_max
 
 
 def attend_rows(ops: Operands, i0: int, i1: int, tiles: TileSizes, buffer: torch.Tensor):
@@ -52,17 +71,30 @@ def attend_rows(ops: Operands, i0: int, i1: int, tiles: TileSizes, buffer: torch
             row_sum.mul_(rescale).add_(s.sum(dim=-1, keepdim=True))
             acc.mul_(rescale).baddbmm_(s, ops.v[:, j0:j1])
             row_max = new_max
-    # a row that saw no key has acc = 0 and row_sum = 0: out 0, lse = -inf
+    if ops.sinks5 is not None:
+        row_max = add_sink(ops, rows, row_max, row_sum, acc)
+    # a row that saw no key (and no sink) has acc = 0 and row_sum = 0: out 0, lse = -inf
     acc.div_(row_sum.clamp_min(torch.finfo(ops.acc).tiny))
     lse = safe_max(row_max).add_(row_sum.log2()).mul_(LN2)
     return acc, lse
 
 
-def blocked_forward(p: Problem, q, k, v, mask, alibi_slopes, tiles: TileSizes):
-    """``(out, lse)`` of SPEC.md's formula without materialising more than one tile of scores."""
-    ops = prepare(p, q, k, v, mask, alibi_slopes)
-    out = alloc_out(p, q)
-    lse = torch.empty((p.batch, p.heads_q, p.seqlen_q), dtype=torch.float32, device=q.device)
+def fill_keyless_rows(ops: Operands, out5, lse5, sinks: Optional[torch.Tensor], i0: int, i1: int) -> None:
+    """Rows ``[i0, i1)`` see no key: out 0 and lse -inf, or lse = sink (a NaN or infinite sink makes out NaN)."""
+    if sinks is None:
+        out5[:, :, :, i0:i1].zero_()
+        lse5[:, :, :, i0:i1].fill_(NEG_INF)
+        return
+    sink5 = sinks.float().view(1, ops.p.heads_kv, ops.p.group_size, 1)
+    lse5[:, :, :, i0:i1].copy_(sink5.expand_as(lse5[:, :, :, i0:i1]))
+    out5[:, :, :, i0:i1].copy_((sink5 * 0.0)[..., None].expand_as(out5[:, :, :, i0:i1]))
+
+
+def blocked_forward(p: Problem, x: Inputs, tiles: TileSizes):
+    """``(out, lse)`` of docs/semantics.md's formula without materialising more than one tile of scores."""
+    ops = prepare(p, x)
+    out = alloc_out(p, x.q)
+    lse = torch.empty((p.batch, p.heads_q, p.seqlen_q), dtype=torch.float32, device=x.q.device)
     out5, lse5 = ops.split_heads(out), ops.split_heads(lse)
     split = (p.batch, p.heads_kv, p.group_size)
 
@@ -72,8 +104,7 @@ def blocked_forward(p: Problem, q, k, v, mask, alibi_slopes, tiles: TileSizes):
             i1 = min(i0 + tiles.block_m, p.seqlen_q)
             lo, hi = key_span(p, i0, i1)
             if hi <= lo:  # no query here sees a key
-                out5[:, :, :, i0:i1].zero_()
-                lse5[:, :, :, i0:i1].fill_(float("-inf"))
+                fill_keyless_rows(ops, out5, lse5, x.sinks, i0, i1)
                 continue
             tile_out, tile_lse = attend_rows(ops, i0, i1, tiles, buffer)
             out5[:, :, :, i0:i1].copy_(tile_out.view(*split, i1 - i0, p.head_dim_v))

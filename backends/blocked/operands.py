@@ -12,10 +12,11 @@ from typing import Optional
 
 import torch
 
+from attnx.inputs import Inputs
+from attnx.limits import LOG2E  # scores are kept in base 2: exp2 is cheaper than exp
 from attnx.problem import Problem
 from attnx.reference import accumulation_dtype
 
-LOG2E = math.log2(math.e)  # scores are kept in base 2: exp2 is cheaper than exp
 LN2 = math.log(2.0)
 
 
@@ -38,6 +39,8 @@ class Operands:
     q5: torch.Tensor                   # (B, Hkv, G, Sq, D) view of the caller's q
     mask5: Optional[torch.Tensor]      # (B, Hkv, G, Sq, Sk) view of the expanded mask
     neg_slopes: Optional[torch.Tensor]  # (B*Hkv, G, 1, 1) -alibi slope * log2(e) in acc
+    sinks5: Optional[torch.Tensor]      # (1, Hkv, G, 1, 1) sink logits times log2(e) in acc
+    finite_scores: bool = True          # no NaN/inf before the causal/window rule (see `finite_scores`)
 
     @property
     def batch_heads(self) -> int:
@@ -63,17 +66,49 @@ class Operands:
         """Query rows ``[i0, i1)`` times ``scale * log2(e)``: ``(B*Hkv, G*rows, D)`` in acc."""
         return self.rows(self.q5[:, :, :, i0:i1], self.p.scale * LOG2E)
 
+    def sink_rows(self, rows: int) -> torch.Tensor:
+        """The sink logit of each row of a `rows`-row tile, in base 2: ``(B*Hkv, G*rows, 1)`` in acc."""
+        p = self.p
+        return self.sinks5.expand(p.batch, p.heads_kv, p.group_size, rows, 1).reshape(
+            self.batch_heads, p.group_size * rows, 1)
 
-def prepare(p: Problem, q, k, v, mask, alibi_slopes) -> Operands:
+
+def _unexpanded(t: torch.Tensor) -> torch.Tensor:
+    """`t` without the dimensions it was expanded along (stride 0): each element once."""
+    return t[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in t.stride())]
+
+
+def finite_scores(p: Problem, x: Inputs, acc: torch.dtype) -> bool:
+    """True when every score is finite before the causal/window rule is applied.
+
+    Boundary tiles then hide keys by adding a 0 / -inf bias (several times faster than
+    ``masked_fill_``); a NaN or +inf score there would turn the hidden entry into NaN where
+    docs/semantics.md hides it, so inputs that hold NaN or inf take the ``masked_fill_`` path.
+    A sum is the cheap test (NaN and inf reach it; a sum that merely overflows only costs the
+    slower path). An additive mask may hold -inf, which the bias leaves hidden.
+    """
+    if not p.has_window:
+        return True  # no bias is added
+    for t in (x.q, x.k, x.alibi_slopes):
+        if t is not None and not bool(torch.isfinite(t.sum(dtype=acc))):
+            return False
+    if x.mask is not None and x.mask.is_floating_point():
+        return bool(_unexpanded(x.mask).amax() < float("inf"))  # False for NaN too
+    return True
+
+
+def prepare(p: Problem, x: Inputs) -> Operands:
     acc = accumulation_dtype(p.dtype)
     batch_heads = p.batch * p.heads_kv
     split = (p.heads_kv, p.group_size)
-    neg_slopes = None
-    if alibi_slopes is not None:
-        neg_slopes = (alibi_slopes.to(acc) * -LOG2E).reshape(batch_heads, p.group_size, 1, 1)
+    neg_slopes = sinks5 = None
+    if x.alibi_slopes is not None:
+        neg_slopes = (x.alibi_slopes.to(acc) * -LOG2E).reshape(batch_heads, p.group_size, 1, 1)
+    if x.sinks is not None:
+        sinks5 = (x.sinks.to(acc) * LOG2E).reshape(1, p.heads_kv, p.group_size, 1, 1)
     return Operands(
         p=p, acc=acc,
-        k=batched_kv(k, batch_heads, acc), v=batched_kv(v, batch_heads, acc),
-        q5=q.unflatten(1, split),
-        mask5=None if mask is None else mask.unflatten(1, split),
-        neg_slopes=neg_slopes)
+        k=batched_kv(x.k, batch_heads, acc), v=batched_kv(x.v, batch_heads, acc),
+        q5=x.q.unflatten(1, split),
+        mask5=None if x.mask is None else x.mask.unflatten(1, split),
+        neg_slopes=neg_slopes, sinks5=sinks5, finite_scores=finite_scores(p, x, acc))

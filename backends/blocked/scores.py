@@ -1,4 +1,4 @@
-"""One tile of final scores: GEMM, then softcap, alibi, dense mask and causal/window, in SPEC order.
+"""One tile of final scores: GEMM, then softcap, alibi, dense mask and causal/window (docs/semantics.md's order).
 
 Scores are kept in base-2 units (times log2(e)) so the softmax can use exp2, which
 is about three times faster than exp on the CPU; lse is converted back at the end.
@@ -9,7 +9,9 @@ from typing import Optional
 
 import torch
 
-from .operands import LOG2E, Operands
+from attnx.limits import LOG2E
+
+from .operands import Operands
 from .tiles import alibi_distance, allowed_tile, tile_is_interior
 
 NEG_INF = float("-inf")
@@ -45,7 +47,11 @@ def score_tile(ops: Operands, q_tile: torch.Tensor, i0: int, i1: int, j0: int, j
                 mask_tile = mask_tile.to(ops.acc)  # a float64 bias on float32 scores
             s5.add_(mask_tile, alpha=LOG2E)
     if not tile_is_interior(p, i0, i1, j0, j1):
-        # a broadcast add of a (rows, cols) 0 / -inf bias is several times faster than a broadcast masked_fill_
-        bias = torch.zeros((rows, cols), dtype=ops.acc, device=s.device)
-        s4.add_(bias.masked_fill_(allowed_tile(p, i0, i1, j0, j1, s.device).logical_not(), NEG_INF))
+        hidden = allowed_tile(p, i0, i1, j0, j1, s.device).logical_not_()
+        if ops.finite_scores:
+            # a broadcast add of a (rows, cols) 0 / -inf bias is several times faster than a broadcast
+            # masked_fill_, and hides the same entries while every score is finite
+            s4.add_(torch.zeros((rows, cols), dtype=ops.acc, device=s.device).masked_fill_(hidden, NEG_INF))
+        else:  # a NaN or inf score: the rule must overwrite it (NaN + -inf is NaN)
+            s4.masked_fill_(hidden, NEG_INF)
     return s

@@ -1,7 +1,8 @@
 """Tile sizes, and which (query tile, key tile) pairs causal/window rules leave.
 
-Positions follow SPEC.md: query ``i`` sits at ``p_i = i + Sk - Sq`` and may see key
-``j`` iff ``p_i - window_left <= j <= p_i + window_right`` (``None`` = unbounded).
+Positions follow docs/semantics.md: query ``i`` sits at ``p_i = i + offset`` (``p.key_offset``:
+the stored offset, or bottom-right ``Sk - Sq`` when None) and may see key ``j`` iff
+``p_i - window_left <= j <= p_i + window_right`` (``None`` = unbounded).
 """
 from __future__ import annotations
 
