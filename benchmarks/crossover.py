@@ -1,9 +1,10 @@
-"""Where `naive` stops beating `blocked` on this CPU: the data behind NAIVE_MAX_SCORES.
+"""Where `naive` stops beating `blocked` on this CPU: the data behind naive's rank (SMALL_SCORES).
 
     python benchmarks/crossover.py [--reps 15] [--threads 1]
 
 Times both backends on problems of growing B*H*Sq*Sk (fp32, D=64), interleaved, and prints
-time(naive) / time(blocked) per problem (below 1: naive is faster). Uses each call's CPU
+time(naive) / time(blocked) per problem (below 1: naive is faster) beside the dispatcher's pick
+(`attnx.explain`), so a rule that disagrees with the measurement shows. Uses each call's CPU
 time (`time.thread_time`) with one thread by default, so other load on the machine does
 not distort the ratio. Then decoding (Sq=1) with and without grouped-query heads.
 """
@@ -45,7 +46,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"{'B*H':>4} {'S':>5} {'scores':>8} {'mode':8} {'causal':6} {'naive ms':>9} {'blocked ms':>10} {'ratio':>6}")
+    print(f"{'B*H':>4} {'S':>5} {'scores':>8} {'mode':8} {'causal':6} {'naive ms':>9} {'blocked ms':>10} {'ratio':>6} "
+          "pick")
     for heads, seqlen in SHAPES:
         for mode in ("fwd", "fwd+bwd"):
             for causal in (False, True):
@@ -57,8 +59,10 @@ def main(argv=None) -> int:
                                                        backend=backend)
                     return lambda: attnx.attention(q, k, v, causal=causal, backend=backend).sum().backward()
                 naive, blocked = _ratio(make_call, args.reps)
+                with torch.enable_grad():
+                    pick = attnx.explain(q, k, v, causal=causal).chosen
                 print(f"{heads:4d} {seqlen:5d} {heads * seqlen * seqlen:8d} {mode:8} {str(causal):6} "
-                      f"{naive * 1e3:9.3f} {blocked * 1e3:10.3f} {naive / blocked:6.2f}", flush=True)
+                      f"{naive * 1e3:9.3f} {blocked * 1e3:10.3f} {naive / blocked:6.2f} {pick}", flush=True)
     print("\ndecode: Sq=1, Hq=8, D=64")
     for heads_kv in (2, 8):
         for seqlen_k in (512, 2048, 8192, 32768):
@@ -66,8 +70,7 @@ def main(argv=None) -> int:
             k, v = torch.randn(1, heads_kv, seqlen_k, 64), torch.randn(1, heads_kv, seqlen_k, 64)
             naive, blocked = _ratio(lambda backend: (lambda: attnx.attention(q, k, v, backend=backend)), args.reps)
             print(f"Hkv={heads_kv} Sk={seqlen_k:6d}: naive {naive * 1e3:8.3f} ms, blocked {blocked * 1e3:8.3f} ms, "
-                  f"ratio {naive / blocked:5.2f}", flush=True)
-    print(f"\nNAIVE_MAX_SCORES is {attnx.dispatch.NAIVE_MAX_SCORES:,} (naive first while B*Hq*Sq*Sk <= it)")
+                  f"ratio {naive / blocked:5.2f}, pick {attnx.explain(q, k, v).chosen}", flush=True)
     return 0
 
 

@@ -141,9 +141,18 @@ class FlexPeer(Peer):
     static_shapes = False
     _compiled = None
 
+    def __init__(self, seqlens=None, head_dims=None):
+        """Measure only at these sequence lengths / head dims (None: all); static compiles are slow."""
+        self.seqlens = None if seqlens is None else frozenset(seqlens)
+        self.head_dims = None if head_dims is None else frozenset(head_dims)
+
     def skip_reason(self, point, device):
         if device != "cuda":
             return "FlexAttention is benchmarked on CUDA only"
+        if self.seqlens is not None and point.seqlen_k not in self.seqlens:
+            return "FlexAttention measured only at S in {" + ",".join(map(str, sorted(self.seqlens))) + "}"
+        if self.head_dims is not None and point.head_dim not in self.head_dims:
+            return "FlexAttention measured only at D in {" + ",".join(map(str, sorted(self.head_dims))) + "}"
         return None
 
     @classmethod

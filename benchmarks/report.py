@@ -9,9 +9,20 @@ MODE_NAMES = {"fwd": "forward", "fwd+bwd": "forward + backward"}
 SHORT_STATUS = {"skipped": "skip", "oom": "oom", "error": "err", "unsupported": "n/a"}
 
 
-def write_json(path: Path, meta: dict, rows: list[dict], checks: list[dict], picks: list[dict]) -> None:
-    path.write_text(json.dumps({"meta": meta, "rows": rows, "dispatch": checks, "picks": picks},
+def write_json(path: Path, meta: dict, rows: list[dict], checks: list[dict], picks: list[dict],
+               extra: dict = None) -> None:
+    """The whole record; `extra` adds top-level sections (e.g. the paper runner's kernel reports)."""
+    path.write_text(json.dumps({"meta": meta, "rows": rows, "dispatch": checks, "picks": picks, **(extra or {})},
                                indent=1, default=str) + "\n")
+
+
+def dict_table(rows: list[dict]) -> list[str]:
+    """Markdown lines of a table with one column per key of the rows (first row's order first)."""
+    if not rows:
+        return ["(none)", ""]
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return lines + ["| " + " | ".join(str(row.get(c, "")) for c in columns) + " |" for row in rows] + [""]
 
 
 def groups(rows: list[dict]) -> "OrderedDict[tuple, list[dict]]":

@@ -69,9 +69,11 @@ def dispatcher_pick(point: Point, inputs) -> tuple[Optional[str], dict]:
 
 
 class Runner:
-    def __init__(self, device: str, peers: list[Peer], budget: Budget, quick=False, progress: Progress = None):
+    def __init__(self, device: str, peers: list[Peer], budget: Budget, quick=False, progress: Progress = None,
+                 timer=None):
         self.device, self.peers, self.budget, self.quick = device, peers, budget, quick
         self.progress = progress
+        self.timer = timer  # `timer(call) -> Timing`, or None for timing.measure_time's default
         self.rows: list[dict] = []
         self.picks: list[dict] = []
         self._last_ok: dict = {}  # (peer, group) -> (flops, seconds) of the last measured point
@@ -129,7 +131,7 @@ class Runner:
                 extra, seconds = self._memory(point, peer, fn, inputs)
                 self._last_ok[(peer.name, point.group)] = (point.flops, seconds)
                 return {"status": "ok", "extra_bytes": extra, "ms": seconds * 1e3}
-            timing = measure_time(fn, point, inputs, self.device, self.quick)
+            timing = measure_time(fn, point, inputs, self.device, self.quick, self.timer)
         except Exception as err:  # one peer's failure is a row, not the end of the run
             if self.device == "cuda" and _breaks_context(err):
                 self.context_lost = f"CUDA context lost after {peer.name} failed at {point.label()}"

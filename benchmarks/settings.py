@@ -78,7 +78,7 @@ def _pow2_range(lo: int, hi: int) -> list[int]:
     return values
 
 
-def _fixed_tokens(setting, dtype, hidden, tokens, seqlens, head_dims, measure="time", modes=MODES,
+def fixed_tokens(setting, dtype, hidden, tokens, seqlens, head_dims, measure="time", modes=MODES,
                   causals=(False, True)) -> list[Point]:
     """FlashAttention's benchmark shape: batch * S = `tokens`, heads * D = `hidden`."""
     points = []
@@ -92,28 +92,31 @@ def _fixed_tokens(setting, dtype, hidden, tokens, seqlens, head_dims, measure="t
     return points
 
 
-def paper(quick=False, head_dims=(64, 128), dtypes=("bf16",)) -> list[Point]:
+def paper(quick=False, head_dims=(64, 128), dtypes=("bf16",), seqlens=None, modes=MODES,
+          causals=(False, True)) -> list[Point]:
     """FlashAttention paper: hidden 2048, 16k tokens per batch, S 512..16k, causal on/off, fwd and fwd+bwd."""
-    seqlens = [512, 1024] if quick else _pow2_range(512, 16384)
+    if seqlens is None:
+        seqlens = [512, 1024] if quick else _pow2_range(512, 16384)
     dims = head_dims[:1] if quick else head_dims
-    return [p for dtype in dtypes for p in _fixed_tokens("paper", dtype, 2048, 16384, seqlens, dims)]
+    return [p for dtype in dtypes
+            for p in fixed_tokens("paper", dtype, 2048, 16384, seqlens, dims, modes=modes, causals=causals)]
 
 
 def cpu(quick=False, head_dims=(64, 128), dtypes=("fp32",)) -> list[Point]:
     """CPU-sized: fp32, hidden 256, 8k tokens per batch, S 512..8k."""
     if quick:
-        return _fixed_tokens("cpu", "fp32", 128, 512, [128, 256], (64,))
-    return [p for dtype in dtypes for p in _fixed_tokens("cpu", dtype, 256, 8192, _pow2_range(512, 8192), head_dims)]
+        return fixed_tokens("cpu", "fp32", 128, 512, [128, 256], (64,))
+    return [p for dtype in dtypes for p in fixed_tokens("cpu", dtype, 256, 8192, _pow2_range(512, 8192), head_dims)]
 
 
 def memory(device: str, quick=False) -> list[Point]:
     """Peak extra memory against S: one long sequence, B=1 (GPU: bf16 H=16 D=128 to 128k; CPU: fp32 H=1 D=64 to 32k)."""
     if device == "cuda":
         seqlens = [1024, 4096] if quick else _pow2_range(1024, 131072)
-        return _fixed_tokens("memory", "bf16", 2048, 1, seqlens, (128,), "memory", causals=(False,))
-    seqlens = [512, 2048] if quick else _pow2_range(1024, 32768)
+        return fixed_tokens("memory", "bf16", 2048, 1, seqlens, (128,), "memory", causals=(False,))
+    seqlens = [1024] if quick else _pow2_range(1024, 32768)  # quick: one fresh process per peer
     modes = ("fwd",) if quick else MODES
-    return _fixed_tokens("memory", "fp32", 64, 1, seqlens, (64,), "memory", modes=modes, causals=(False,))
+    return fixed_tokens("memory", "fp32", 64, 1, seqlens, (64,), "memory", modes=modes, causals=(False,))
 
 
 def decode(device: str, quick=False) -> list[Point]:

@@ -6,6 +6,7 @@ from flattering small problems.
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -120,8 +121,22 @@ def time_cuda(call, warmup=3, min_reps=5, max_reps=50, budget_s=1.0, slow_s=0.05
     return Timing(statistics.median(times), min(times), reps)
 
 
-def measure_time(fn, point: Point, inputs: list, device: str, quick=False) -> Timing:
+def time_do_bench(call, warmup_ms=25, rep_ms=100) -> Timing:
+    """`triton.testing.do_bench` (L2 flushed before every call), as the FlashAttention papers report it."""
+    from triton.testing import do_bench
+
+    call(0)  # compile / autotune outside the timing
+    torch.cuda.synchronize()
+    count = itertools.count(1)
+    times = do_bench(lambda: call(next(count)), warmup=warmup_ms, rep=rep_ms, return_mode="all")
+    return Timing(statistics.median(times), min(times), len(times))
+
+
+def measure_time(fn, point: Point, inputs: list, device: str, quick=False, timer=None) -> Timing:
+    """Time `fn` at `point`; `timer(call) -> Timing` replaces the device's default clock."""
     call = make_call(fn, point, inputs)
+    if timer is not None:
+        return timer(call)
     if device == "cuda":
         return time_cuda(call, warmup=2 if quick else 3, min_reps=3 if quick else 5,
                          budget_s=0.1 if quick else 1.0)

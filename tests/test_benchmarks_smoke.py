@@ -1,11 +1,16 @@
-"""Smoke test of the benchmark harness: `--quick` runs end to end and writes its files.
+"""Smoke tests of the benchmark harness: `--quick` runs end to end and writes its files.
 
-No timing assertions: speed is measured by `python -m benchmarks.run`, not in tests.
+No speed assertions: speed is measured by `python -m benchmarks.run`, not in tests. The
+overhead benchmark's count of dispatcher questions is exact, so it is asserted.
 """
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from benchmarks import overhead, paper, settings
+from benchmarks.peers import AttnxPeer, FlexPeer, SdpaPeer
+from benchmarks.runner import Budget, Runner
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -30,3 +35,45 @@ def test_quick_benchmark_writes_tables_json_and_plots(tmp_path):
     assert "Dispatcher check" in (out / "results.md").read_text()
     assert list(out.glob("*.png")), "no plots written"
     assert "dispatcher check:" in proc.stdout  # the short table printed last
+
+
+def test_paper_runner_writes_the_harness_tables_and_kernel_reports(tmp_path):
+    """The paper runner's output on a tiny CPU run (its timer and points need a GPU; its writer does not)."""
+    points = settings.cpu(quick=True)[:1]
+    peers = [AttnxPeer("naive"), AttnxPeer("cuda"), SdpaPeer("default"), FlexPeer(seqlens=[16384])]
+    runner = Runner("cpu", peers, Budget(None, 2.0), quick=True)
+    runner.run(points)
+    meta = {"device": "cpu", "device_name": "test CPU", "date": "2026-12-01", "command": "test", "versions": "-",
+            "attnx_backends": ["naive", "cuda"], "statistic": "min"}
+    kernels = {"naive": [], "cuda": [{"variant": "fwd d64", "registers": 128}]}
+    paper.write(tmp_path / "naive_paper", meta, runner.rows, runner.picks, kernels)
+    record = json.loads((tmp_path / "naive_paper.json").read_text())
+    assert record["kernels"] == kernels
+    by_peer = {r["peer"]: r for r in record["rows"]}
+    assert by_peer["attnx.naive"]["status"] == by_peer["torch.sdpa"]["status"] == "ok"
+    assert by_peer["attnx.cuda"]["status"] == "skipped"  # declines on the CPU, with the dispatcher's reasons
+    text = (tmp_path / "naive_paper.md").read_text()
+    assert "| S | attnx.naive |" in text and "## cuda kernels compiled in this run" in text
+    assert "| fwd d64 | 128 |" in text
+
+
+def test_flex_peer_measures_only_the_lengths_and_head_dims_asked_for():
+    flex = FlexPeer(seqlens=[16384], head_dims=[128])
+    at = {(p.seqlen_k, p.head_dim): flex.skip_reason(p, "cuda")
+          for p in settings.paper(head_dims=(64, 128), seqlens=[2048, 16384], modes=("fwd",), causals=(False,))}
+    assert at[(16384, 128)] is None
+    assert "S in {16384}" in at[(2048, 128)] and "D in {128}" in at[(16384, 64)]
+
+
+def test_quick_overhead_asks_the_backends_once_per_length_bucket(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/overhead.py", "--quick", "--out", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((tmp_path / "overhead.json").read_text())
+    assert (tmp_path / "overhead.md").read_text().startswith("# attnx per-call overhead")
+    assert {row["case"] for row in record["dispatch_only"]} >= {"`plan.run(q, k, v)`", "inside `use_backend(...)`"}
+    assert [row["shape"] for row in record["real_calls"]] == list(overhead.SHAPES)
+    growing = record["growing_decode"]
+    # Sk = 1000..1100 spans two power-of-two buckets (1024, 2048): two cache misses per sweep, not 101
+    assert growing["null"]["backend_asks_per_sweep"] == growing["attnx"]["backend_asks_per_sweep"] == 2
+    assert set(growing["null"]["median_us_by_bucket"]) == {"1024", "2048"}
