@@ -2,20 +2,22 @@
 
 NVRTC from cuda-bindings is the compiler CuPy uses at run time; it needs
 libnvrtc (pip `nvidia-cuda-nvrtc`), not a GPU or a driver. The kernels include no
-CUDA headers, so no include path is needed.
+CUDA headers, so no include path is needed. Also checked here without a GPU: the
+kernel families' declarations, the ``-arch`` each GPU gets, and that the launcher's
+parameter record matches the kernels' C struct byte for byte.
 """
-import importlib
 import os
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
+import torch
 
-import attnx  # noqa: F401  (maps attnx.backends in a source checkout)
-from attnx.registry import _import_builtin_backends
+import attnx
+from attnx.backends.cuda import compile as cuda_compile
+from attnx.backends.cuda import families, nvrtc_check, params, variants
+from attnx.problem import Problem
 
-_import_builtin_backends()
-variants = importlib.import_module("attnx.backends.cuda.variants")
-nvrtc_check = importlib.import_module("attnx.backends.cuda.nvrtc_check")
+BACKEND = attnx.get_backend("cuda")
 
 
 def _nvrtc_available() -> str:
@@ -36,33 +38,118 @@ def _compile(args):
     return variant.label(), ok, log, size
 
 
-# sm_80 builds everything the launcher can request on any GPU (the small-shared-memory tiles of
-# sm_86/89 included); sm_90 builds what it can request on sm_90.
-ARCH_VARIANTS = {"sm_80": variants.all_variants,
-                 "sm_90": lambda: variants.requestable(variants.SHARED_MEMORY_CLASSES["sm_90"])}
+def _targets():
+    """(family, capability, variants) to build: the family's lowest GPU builds every tile it can request
+    on any GPU it covers (the small-shared-memory tiles of sm_86/89 included); each arch-specific target
+    (sm_90a) builds what that GPU requests."""
+    found = []
+    for family in families.FAMILIES.values():
+        found.append((family, family.min_capability, variants.all_variants(family)))
+        for cap in sorted(families.ARCH_SPECIFIC):
+            if family.covers(cap):
+                found.append((family, cap, variants.requestable(family, cap)))
+    return found
 
 
-@pytest.mark.parametrize("arch", sorted(ARCH_VARIANTS))
-def test_every_specialisation_compiles(arch):
+TARGETS = {f"{family.name}-{families.nvrtc_arch(cap)}": (family, cap, todo) for family, cap, todo in _targets()}
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_every_specialisation_compiles(target):
     reason = _nvrtc_available()
     if reason:
         pytest.skip(reason)
-    todo = [(v, arch) for v in ARCH_VARIANTS[arch]()]
+    _, cap, todo = TARGETS[target]
+    arch = families.nvrtc_arch(cap)
     workers = max(1, min(4, os.cpu_count() or 1))
     with ProcessPoolExecutor(workers) as pool:
-        results = list(pool.map(_compile, todo))
+        results = list(pool.map(_compile, [(v, arch) for v in todo]))
     failed = [f"{label}: {log[:2000]}" for label, ok, log, _ in results if not ok]
     assert not failed, "\n".join(failed)
     assert all(size > 0 for *_, size in results)
 
 
+def test_hopper_target_is_arch_specific():
+    assert f"{families.AMPERE.name}-sm_90a" in TARGETS
+    assert families.nvrtc_arch((9, 0)) == "sm_90a"
+    assert [families.nvrtc_arch(c) for c in ((8, 0), (8, 6), (8, 9))] == ["sm_80", "sm_86", "sm_89"]
+
+
+def test_params_record_matches_the_c_struct():
+    """offsetof of every AttnParams field and sizeof(AttnParams) equal the numpy record's, checked by NVRTC."""
+    reason = _nvrtc_available()
+    if reason:
+        pytest.skip(reason)
+    dtype = params.PARAMS_DTYPE
+    checks = [f"static_assert(__builtin_offsetof(AttnParams, {name}) == {dtype.fields[name][1]}, \"{name}\");"
+              for name in dtype.names]
+    checks.append(f"static_assert(sizeof(AttnParams) == {dtype.itemsize}, \"size\");")
+    source = cuda_compile.kernel_source("common/params.cuh") + "\n" + "\n".join(checks) + "\n"
+    ok, log, _ = nvrtc_check.compile_source(source, "params_check.cu", ("-arch=sm_80", "-std=c++17"))
+    assert ok, log
+    assert set(dtype.names) >= {"sinks", "key_offset"}
+
+
+def test_kernel_sources_inline_every_header():
+    for family in families.FAMILIES.values():
+        for source in family.sources.values():
+            text = cuda_compile.kernel_source(source)
+            assert "#include" not in text and "attnx_" in text
+
+
 def test_launcher_requests_only_listed_variants():
-    listed = set(variants.all_variants())
-    for shared in variants.SHARED_MEMORY_CLASSES.values():
-        assert set(variants.requestable(shared)) <= listed
+    for family in families.FAMILIES.values():
+        listed = set(variants.all_variants(family))
+        for cap in variants.covered_capabilities(family):
+            assert set(variants.requestable(family, cap)) <= listed
+            assert all(v.family == family.name for v in listed)
 
 
 def test_variants_cover_every_head_dim_tile():
-    kinds = {(v.kernel, v.head_dim) for v in variants.all_variants()}
-    for tile in variants.HEAD_DIM_TILES:
-        assert ("fwd", tile) in kinds and ("bwd", tile) in kinds
+    for family in families.FAMILIES.values():
+        kinds = {(v.kernel, v.head_dim) for v in variants.all_variants(family)}
+        for tile in variants.HEAD_DIM_TILES:
+            assert ("fwd", tile) in kinds and ("bwd", tile) in kinds
+
+
+def test_family_for_each_gpu():
+    assert families.family_for((8, 0)) is families.AMPERE
+    assert families.family_for((9, 0)) is families.AMPERE
+    assert families.family_for((7, 5)) is None and families.family_for((10, 0)) is None
+
+
+def _problem(arch, **kw):
+    base = dict(dtype=torch.bfloat16, batch=2, heads_q=8, seqlen_q=512, head_dim=128, device="cuda",
+                vendor="nvidia", arch=arch)
+    base.update(kw)
+    return Problem.create(**base)
+
+
+@pytest.mark.parametrize("arch,rank", [("sm_80", 80), ("sm_86", 80), ("sm_90", 60)])
+def test_priority(arch, rank):
+    assert BACKEND.rank(_problem(arch)) == rank
+
+
+@pytest.mark.parametrize("arch", ["sm_75", "sm_100", "sm_120"])
+def test_declines_gpus_no_family_covers(arch):
+    reasons = BACKEND.device_reasons(_problem(arch))
+    assert reasons and "compute capability" in reasons[0]
+
+
+@pytest.mark.parametrize("kw", [dict(offset=5), dict(offset=-3, causal=True), dict(sinks=True),
+                                dict(sinks=True, offset=0, window=(16, 0), needs_grad=True)])
+def test_declares_offset_and_sinks(kw):
+    assert BACKEND.declared_reasons(_problem("sm_90", seqlen_k=700, **kw)) == []
+    assert BACKEND.extra_reasons(_problem("sm_90", seqlen_k=700, **kw)) == []
+
+
+def test_declines_lengths_past_the_position_limit():
+    from attnx.limits import MAX_SEQLEN
+
+    reasons = BACKEND.extra_reasons(_problem("sm_90", batch=1, heads_q=1, seqlen_q=1, seqlen_k=MAX_SEQLEN))
+    assert any("sequence length" in r for r in reasons)
+
+
+def test_declines_other_formats():
+    reasons = BACKEND.declared_reasons(_problem("sm_90", q_format="varlen", kv_format="varlen"))
+    assert any("tensor format" in r for r in reasons)

@@ -6,22 +6,31 @@ import math
 import torch
 
 from attnx.backend import Backend
+from attnx.limits import length_reasons
 
+from .families import capability_range
 from .variants import HEAD_DIM_TILES
+
+_LOWEST, _HIGHEST = capability_range()
 
 
 class CudaBackend(Backend):
     name = "cuda"
     description = ("FlashAttention-2 forward and backward in CUDA C++ (mma.sync m16n8k16, ldmatrix, cp.async), "
-                   "compiled at run time by NVRTC through CuPy; NVIDIA sm_80+, fp16/bf16")
+                   "compiled at run time by NVRTC through CuPy; NVIDIA sm_80..sm_90, fp16/bf16")
     device_types = frozenset({"cuda"})
     vendors = frozenset({"nvidia"})
-    min_capability = (8, 0)
+    min_capability = _LOWEST           # the span of the kernel families (families.py)
+    max_capability = _HIGHEST
     dtypes = frozenset({torch.float16, torch.bfloat16})
     max_head_dim = HEAD_DIM_TILES[-1]
     mask_kinds = frozenset()          # dense masks are not implemented in the kernels
     supports_mask_grad = False
     deterministic = False             # dQ is accumulated with fp32 atomics
+    supports_offset = True
+    supports_sinks = True
+    # measured on the H200: the Ampere mma.sync family is slower than triton's wgmma kernels on Hopper
+    priority = {"cuda:nvidia": 80, "cuda:sm_90": 60}
     required_modules = ("cupy",)
     install_hint = 'pip install "attnx[cuda13]"  (or [cuda12])'
 
@@ -31,22 +40,24 @@ class CudaBackend(Backend):
         return []
 
     def extra_reasons(self, p) -> list[str]:
-        from .launch import MAX_GRID, MAX_SEQLEN, max_shared, score_mod
-        from .variants import backward_variants, forward_variant, head_dim_tile
+        from .families import family_for
+        from .launch import MAX_GRID, score_mod
+        from .variants import backward_variants, forward_variant, head_dim_tile, max_shared
 
-        reasons = []
-        if max(p.seqlen_q, p.seqlen_k) >= MAX_SEQLEN:
-            reasons.append(f"sequence length >= {MAX_SEQLEN} not supported (int32 positions)")
+        reasons = length_reasons(p)
+        family = family_for(p.capability)
+        if family is None:  # the declared capability range has gaps only if the families do
+            return reasons + [f"no kernel family for {p.arch}"]
         tile = head_dim_tile(p.head_dim, p.head_dim_v)
         mod = score_mod(p)
         bf16 = p.dtype == torch.bfloat16
-        shared = max_shared(p.capability or (0, 0))
-        fwd = forward_variant(bf16, tile, mod, shared)
+        shared = max_shared(p.capability)
+        fwd = forward_variant(family, bf16, tile, mod, shared)
         if fwd is None:
             reasons.append(f"no forward tile for head dim {tile} fits {shared} bytes of shared memory")
         elif p.batch * p.heads_q * math.ceil(p.seqlen_q / fwd.block_m) > MAX_GRID:
             reasons.append("too many query blocks for one launch")
-        if p.needs_grad and backward_variants(bf16, tile, mod, shared) is None:
+        if p.needs_grad and backward_variants(family, bf16, tile, mod, shared) is None:
             reasons.append(f"no backward tile for head dim {tile} fits {shared} bytes of shared memory")
         return reasons
 
@@ -68,16 +79,15 @@ class CudaBackend(Backend):
         return {"first call, fp16 d64 (compile or disk-cache load)": f"{first_call:.2f}s",
                 "kernels loaded": kernels}
 
-    def forward(self, p, q, k, v, mask, alibi_slopes):
+    def forward(self, p, x):
         from .launch import forward
 
-        return forward(p, q, k, v, alibi_slopes)
+        return forward(p, x)
 
-    def backward(self, p, q, k, v, mask, alibi_slopes, out, lse, dout):
+    def backward(self, p, x, out, lse, dout):
         from .launch import backward
 
-        dq, dk, dv = backward(p, q, k, v, alibi_slopes, out, lse, dout)
-        return dq, dk, dv, None
+        return backward(p, x, out, lse, dout)
 
 
 BACKEND = CudaBackend()

@@ -1,10 +1,12 @@
 """Run-time compilation of the CUDA kernels: NVRTC through `cupy.RawModule`.
 
-The `.cu` files include their `.cuh` headers by name; `kernel_source` inlines
-them so NVRTC needs no include path and the compiled binary is keyed by the full
-text. CuPy caches each binary on disk (``~/.cupy/kernel_cache``, or
-``CUPY_CACHE_DIR``) keyed by source, options, architecture and NVRTC version,
-and writes cache files atomically, so several processes may compile at once.
+The `.cu` files under ``kernels/`` include their headers by path from that folder
+(``"common/softmax.cuh"``, ``"sm80/ptx.cuh"``); `kernel_source` inlines them so NVRTC
+needs no include path and the compiled binary is keyed by the full text. The ``-arch``
+value comes from `families.nvrtc_arch` (``sm_90a`` on sm_90). CuPy caches each binary
+on disk (``~/.cupy/kernel_cache``, or ``CUPY_CACHE_DIR``) keyed by source, options,
+architecture and NVRTC version, and writes cache files atomically, so several processes
+may compile at once.
 `compile_time_report()` tells how long each specialisation took to get ready in
 this process (a compile, or a disk-cache hit).
 """
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from .variants import Variant
 
-KERNEL_DIR = Path(__file__).resolve().parent
+KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.M)
 _lock = threading.Lock()
 _modules: dict = {}
@@ -27,7 +29,7 @@ _times: dict = {}
 
 @functools.lru_cache(maxsize=None)
 def kernel_source(name: str) -> str:
-    """The text of kernel file `name` with its local headers inlined (each once)."""
+    """The text of kernel file `name` (a path under kernels/) with its headers inlined (each once)."""
     seen: set = set()
 
     def expand(fname: str) -> str:
@@ -42,7 +44,7 @@ def kernel_source(name: str) -> str:
 
 
 def nvrtc_options(variant: Variant, arch: str) -> tuple[str, ...]:
-    """NVRTC options of one specialisation for `arch` (e.g. "sm_90")."""
+    """NVRTC options of one specialisation for `arch` (`families.nvrtc_arch`, e.g. "sm_90a")."""
     return (f"-arch={arch}", "-std=c++17", *variant.defines())
 
 

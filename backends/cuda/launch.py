@@ -14,22 +14,15 @@ import math
 import torch
 
 from attnx.autograd import alloc_out
+from attnx.inputs import Grads, Inputs, sinks_grad
+from attnx.limits import LOG2E, kernel_window, lse_log2
 
 from .compile import get_kernel
+from .families import family_for, nvrtc_arch
 from .params import pack_params
-from .variants import backward_variants, forward_variant, head_dim_tile
+from .variants import backward_variants, forward_variant, head_dim_tile, max_shared
 
-LOG2E = 1.4426950408889634
-MAX_SEQLEN = 1 << 29          # positions and window arithmetic stay inside int32
 MAX_GRID = (1 << 31) - 1
-
-# opt-in shared memory per block by compute capability (bytes); unknown -> the small figure
-_SHARED_PER_BLOCK = {(8, 0): 166912, (8, 7): 166912, (9, 0): 232448, (10, 0): 232448, (10, 3): 232448}
-_SMALL_SHARED = 101376
-
-
-def max_shared(capability) -> int:
-    return _SHARED_PER_BLOCK.get(tuple(capability), _SMALL_SHARED)
 
 
 def round8(n: int) -> int:
@@ -57,23 +50,23 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return tuple(s if n > 1 else 0 for s, n in zip(t.stride()[:3], t.shape[:3]))
 
 
-def _window(p) -> tuple[int, int]:
-    unbounded = p.seqlen_q + p.seqlen_k
-    left = unbounded if p.window_left is None else min(p.window_left, unbounded)
-    right = unbounded if p.window_right is None else min(p.window_right, unbounded)
-    return left, right
+def _vector(t):
+    """A float32 vector the kernels index with unit stride in its last dim (or None)."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
-def _common(p, alibi_slopes) -> dict:
-    left, right = _window(p)
+def _common(p, x: Inputs) -> dict:
+    left, right = kernel_window(p)
     fields = dict(batch=p.batch, heads_q=p.heads_q, heads_kv=p.heads_kv, group=p.group_size,
-                  seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, head_dim=round8(p.head_dim),
+                  seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, key_offset=p.key_offset, head_dim=round8(p.head_dim),
                   head_dim_v=round8(p.head_dim_v), window_left=left, window_right=right,
                   scale=p.scale, scale_log2=p.scale * LOG2E,
                   softcap=p.softcap or 0.0, softcap_inv=1.0 / p.softcap if p.softcap else 0.0)
-    if alibi_slopes is not None:
-        fields.update(alibi=alibi_slopes.data_ptr(), alibi_bs=alibi_slopes.stride(0) if p.batch > 1 else 0,
-                      alibi_hs=alibi_slopes.stride(1))
+    if x.alibi_slopes is not None:
+        fields.update(alibi=x.alibi_slopes.data_ptr(), alibi_bs=x.alibi_slopes.stride(0) if p.batch > 1 else 0,
+                      alibi_hs=x.alibi_slopes.stride(1))
+    if x.sinks is not None:
+        fields.update(sinks=x.sinks.data_ptr())
     return fields
 
 
@@ -101,15 +94,19 @@ def _check_grid(blocks: int) -> None:
         raise ValueError(f"problem too large for one launch ({blocks} thread blocks)")
 
 
-def forward(p, q, k, v, alibi_slopes):
-    """(out, lse) of one attention call; out in the caller's layout via alloc_out."""
-    device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    tile = head_dim_tile(round8(p.head_dim), round8(p.head_dim_v))
-    variant = forward_variant(p.dtype == torch.bfloat16, tile, score_mod(p), max_shared(p.capability))
+def _device_index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def forward(p, x: Inputs):
+    """(out, lse) of one attention call; out in the caller's layout via alloc_out, lse including the sinks."""
+    device_index = _device_index(x.q)
+    family = family_for(p.capability)
     d, dv = round8(p.head_dim), round8(p.head_dim_v)
-    q, k, v = kernel_operand(q, d), kernel_operand(k, d), kernel_operand(v, dv)
-    if alibi_slopes is not None:
-        alibi_slopes = alibi_slopes.contiguous() if alibi_slopes.stride(1) != 1 else alibi_slopes
+    variant = forward_variant(family, p.dtype == torch.bfloat16, head_dim_tile(d, dv), score_mod(p),
+                              max_shared(p.capability))
+    q, k, v = kernel_operand(x.q, d), kernel_operand(x.k, d), kernel_operand(x.v, dv)
+    x = x.replace(alibi_slopes=_vector(x.alibi_slopes), sinks=_vector(x.sinks))
     out = alloc_out(p, q)
     out_k = out if (dv == p.head_dim_v and _strides_ok(out) and out.data_ptr() % 16 == 0) else \
         q.new_empty(p.batch, p.heads_q, p.seqlen_q, dv)
@@ -120,42 +117,44 @@ def forward(p, q, k, v, alibi_slopes):
     (qb, qh, qr), (kb, kh, kr), (vb, vh, vr), (ob, oh, orow) = map(_strides, (q, k, v, out_k))
     args = pack_params(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=out_k.data_ptr(), lse=lse.data_ptr(),
                        q_bs=qb, q_hs=qh, q_rs=qr, k_bs=kb, k_hs=kh, k_rs=kr, v_bs=vb, v_hs=vh, v_rs=vr,
-                       o_bs=ob, o_hs=oh, o_rs=orow, num_blocks=blocks_per_head, **_common(p, alibi_slopes))
-    kernel = get_kernel(variant, p.arch, device_index)
+                       o_bs=ob, o_hs=oh, o_rs=orow, num_blocks=blocks_per_head, **_common(p, x))
+    kernel = get_kernel(variant, nvrtc_arch(p.capability), device_index)
     _launch(kernel, grid, variant.threads, variant.shared_bytes(), args, device_index)
     if out_k is not out:
         out.copy_(out_k[..., : p.head_dim_v])
     return out, lse
 
 
-def backward(p, q, k, v, alibi_slopes, out, lse, dout):
-    """(dq, dk, dv): FlashAttention-2 backward, dQ through fp32 atomics."""
-    device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    tile = head_dim_tile(round8(p.head_dim), round8(p.head_dim_v))
-    passes = backward_variants(p.dtype == torch.bfloat16, tile, score_mod(p), max_shared(p.capability))
+def backward(p, x: Inputs, out, lse, dout) -> Grads:
+    """FlashAttention-2 backward, dQ through fp32 atomics; dsinks from lse and delta."""
+    device_index = _device_index(x.q)
+    family = family_for(p.capability)
     d, dvw = round8(p.head_dim), round8(p.head_dim_v)
-    # rowsum(dout * out) and lse in log2 units (+inf for rows that see nothing, so P = 0 there)
-    delta = (dout.float() * out.float()).sum(-1).contiguous()
-    lse2 = torch.where(lse == float("-inf"), torch.full_like(lse, float("inf")), lse * LOG2E).contiguous()
-    q, k, v, dout = kernel_operand(q, d), kernel_operand(k, d), kernel_operand(v, dvw), kernel_operand(dout, dvw)
-    if alibi_slopes is not None:
-        alibi_slopes = alibi_slopes.contiguous() if alibi_slopes.stride(1) != 1 else alibi_slopes
+    passes = backward_variants(family, p.dtype == torch.bfloat16, head_dim_tile(d, dvw), score_mod(p),
+                               max_shared(p.capability))
+    delta = (dout.float() * out.float()).sum(-1).contiguous()  # rowsum(dout * out), (B, Hq, Sq)
+    lse2 = lse_log2(lse)
+    q, k, v, dout_k = kernel_operand(x.q, d), kernel_operand(x.k, d), kernel_operand(x.v, dvw), \
+        kernel_operand(dout, dvw)
+    x = x.replace(alibi_slopes=_vector(x.alibi_slopes))
     dq_accum = torch.zeros(p.batch, p.heads_q, p.seqlen_q, d, device=q.device, dtype=torch.float32)
     dk = q.new_empty(p.batch, p.heads_kv, p.seqlen_k, d)
     dv = q.new_empty(p.batch, p.heads_kv, p.seqlen_k, dvw)
     blocks_per_head = math.ceil(p.seqlen_k / passes[0].block_n)
     grid = p.batch * p.heads_kv * blocks_per_head
     _check_grid(grid)
-    (qb, qh, qr), (kb, kh, kr), (vb, vh, vr), (ob, oh, orow) = map(_strides, (q, k, v, dout))
+    (qb, qh, qr), (kb, kh, kr), (vb, vh, vr), (ob, oh, orow) = map(_strides, (q, k, v, dout_k))
     (dkb, dkh, dkr), (dvb, dvh, dvr) = _strides(dk), _strides(dv)
-    args = pack_params(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout.data_ptr(),
+    args = pack_params(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout_k.data_ptr(),
                        lse=lse2.data_ptr(), delta=delta.data_ptr(), dq_accum=dq_accum.data_ptr(),
                        dk=dk.data_ptr(), dv=dv.data_ptr(),
                        q_bs=qb, q_hs=qh, q_rs=qr, k_bs=kb, k_hs=kh, k_rs=kr, v_bs=vb, v_hs=vh, v_rs=vr,
                        o_bs=ob, o_hs=oh, o_rs=orow, dk_bs=dkb, dk_hs=dkh, dk_rs=dkr, dv_bs=dvb, dv_hs=dvh,
-                       dv_rs=dvr, num_blocks=blocks_per_head, dq_row=d, **_common(p, alibi_slopes))
+                       dv_rs=dvr, num_blocks=blocks_per_head, dq_row=d, **_common(p, x.replace(sinks=None)))
+    arch = nvrtc_arch(p.capability)
     for variant in passes:
-        kernel = get_kernel(variant, p.arch, device_index)
+        kernel = get_kernel(variant, arch, device_index)
         _launch(kernel, grid, variant.threads, variant.shared_bytes(), args, device_index)
     dq = (dq_accum[..., : p.head_dim] * p.scale).to(p.dtype)
-    return dq, dk[..., : p.head_dim], dv[..., : p.head_dim_v]
+    dsinks = sinks_grad(x.sinks, lse, delta) if x.sinks is not None else None
+    return Grads(dq, dk[..., : p.head_dim], dv[..., : p.head_dim_v], None, dsinks)

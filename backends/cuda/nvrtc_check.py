@@ -10,21 +10,19 @@ from .compile import kernel_source, nvrtc_options
 from .variants import Variant
 
 
-def nvrtc_compile(variant: Variant, arch: str) -> tuple[bool, str, int]:
-    """(ok, log, cubin bytes) of one NVRTC compile of `variant` for `arch`."""
+def compile_source(source: str, name: str, options) -> tuple[bool, str, int]:
+    """(ok, log, cubin bytes) of one NVRTC compile of `source` with `options`."""
     from cuda.bindings import nvrtc
 
     def check(result):
-        err = result[0]
-        return err == nvrtc.nvrtcResult.NVRTC_SUCCESS
+        return result[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS
 
-    source = kernel_source(variant.source).encode()
-    res = nvrtc.nvrtcCreateProgram(source, variant.source.encode(), 0, [], [])
+    res = nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], [])
     if not check(res):
         return False, f"nvrtcCreateProgram failed: {res[0]}", 0
     prog = res[1]
     try:
-        opts = [o.encode() for o in nvrtc_options(variant, arch)]
+        opts = [o.encode() for o in options]
         compiled = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         log_size = nvrtc.nvrtcGetProgramLogSize(prog)[1]
         log = b" " * log_size
@@ -32,7 +30,11 @@ def nvrtc_compile(variant: Variant, arch: str) -> tuple[bool, str, int]:
         log = log.decode(errors="replace").rstrip("\x00 \n")
         if not check(compiled):
             return False, log, 0
-        size = nvrtc.nvrtcGetCUBINSize(prog)[1]
-        return True, log, size
+        return True, log, nvrtc.nvrtcGetCUBINSize(prog)[1]
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
+
+
+def nvrtc_compile(variant: Variant, arch: str) -> tuple[bool, str, int]:
+    """(ok, log, cubin bytes) of one NVRTC compile of `variant` for `arch`."""
+    return compile_source(kernel_source(variant.source), variant.source, nvrtc_options(variant, arch))

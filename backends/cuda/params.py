@@ -1,4 +1,4 @@
-"""The kernels' `AttnParams` struct (fa_params.cuh) as a numpy aligned record.
+"""The kernels' `AttnParams` struct (kernels/common/params.cuh) as a numpy aligned record.
 
 CuPy passes a numpy structured scalar to a kernel by value, byte for byte, so the
 field order and types here must match the C struct exactly.
@@ -14,10 +14,9 @@ _INTS = ("batch", "heads_q", "heads_kv", "group", "seqlen_q", "seqlen_k", "head_
          "window_left", "window_right", "num_blocks", "dq_row")
 _FLOATS = ("scale", "scale_log2", "softcap", "softcap_inv")
 
-PARAMS_DTYPE = np.dtype(
-    [(n, np.uint64) for n in _POINTERS] + [(n, np.int64) for n in _STRIDES]
-    + [(n, np.int32) for n in _INTS] + [(n, np.float32) for n in _FLOATS],
-    align=True)
+FIELDS = ([(n, np.uint64) for n in _POINTERS] + [(n, np.int64) for n in _STRIDES] + [("sinks", np.uint64)]
+          + [(n, np.int32) for n in _INTS] + [(n, np.float32) for n in _FLOATS] + [("key_offset", np.int32)])
+PARAMS_DTYPE = np.dtype(FIELDS, align=True)
 
 
 def pack_params(**values):

@@ -1,14 +1,16 @@
 """Every kernel specialisation the CUDA launcher can request, and how it picks one.
 
-A specialisation is one compile of `fa_fwd.cu` or `fa_bwd.cu` with a set of -D
-defines: dtype, head-dim tile, block sizes, warps and feature flags. Tile sizes
-follow FlashAttention-2's Ampere choices, with a fallback for GPUs whose shared
-memory per block is ~99 KB (sm_86, sm_89). `all_variants()` is what the CI
-compile test builds; the launcher only ever asks for members of that set.
+A specialisation is one compile of a family's forward or backward source (`families.py`)
+with a set of -D defines: dtype, head-dim tile, block sizes, warps and feature flags.
+The Ampere family's tiles follow FlashAttention-2's Ampere choices, with a fallback for
+GPUs whose shared memory per block is ~99 KB (sm_86, sm_89). `all_variants()` is what
+the CI compile test builds; the launcher only ever asks for members of that set.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
+
+from .families import FAMILIES, Family
 
 HEAD_DIM_TILES = (32, 64, 96, 128, 160, 192, 256)
 # head dims above this run the backward in two passes (dV, then dK + dQ) so that
@@ -19,6 +21,7 @@ SINGLE_PASS_BACKWARD_MAX = 128
 class Variant(NamedTuple):
     """One compile of one kernel file."""
 
+    family: str        # a key of families.FAMILIES
     kernel: str        # "fwd" or "bwd"
     bf16: bool
     head_dim: int      # padded tile
@@ -36,7 +39,8 @@ class Variant(NamedTuple):
 
     @property
     def source(self) -> str:
-        return f"fa_{self.kernel}.cu"
+        """The file under kernels/ this specialisation compiles."""
+        return FAMILIES[self.family].source(self.kernel)
 
     @property
     def function(self) -> str:
@@ -63,9 +67,11 @@ class Variant(NamedTuple):
         if self.kernel == "bwd" and not (self.do_dv and self.do_dk):
             flags += "+dv" if self.do_dv else "+dk"
         stages = f" s{self.stages}" if self.kernel == "fwd" else ""
-        return f"{self.kernel} d{self.head_dim} {self.block_m}x{self.block_n} w{self.warps}{stages} {flags}"
+        tile = f"d{self.head_dim} {self.block_m}x{self.block_n} w{self.warps}{stages}"
+        return f"{self.family} {self.kernel} {tile} {flags}"
 
 
+# Ampere family tiles.
 # (block_m, block_n, warps, K/V stages), best first; the first that fits the device's shared memory is used
 FORWARD_TILES = {
     # measured on the H200 (2026-11-29): double-buffered K/V +2% at d128, -5% at d64
@@ -95,48 +101,61 @@ def head_dim_tile(head_dim: int, head_dim_v: int) -> int | None:
     return next((t for t in HEAD_DIM_TILES if t >= need), None)
 
 
-def forward_variant(bf16: bool, tile: int, score_mod: bool, max_shared: int) -> Variant | None:
+def forward_variant(family: Family, bf16: bool, tile: int, score_mod: bool, max_shared: int) -> Variant | None:
     for bm, bn, w, stages in FORWARD_TILES[tile]:
-        v = Variant("fwd", bf16, tile, bm, bn, w, score_mod, stages=stages)
+        v = Variant(family.name, "fwd", bf16, tile, bm, bn, w, score_mod, stages=stages)
         # double buffering only where two blocks still fit on a multiprocessor
         if v.shared_bytes() <= max_shared and (stages == 1 or 2 * v.shared_bytes() <= max_shared):
             return v
     return None
 
 
-def backward_variants(bf16: bool, tile: int, score_mod: bool, max_shared: int) -> tuple[Variant, ...] | None:
+def backward_variants(family: Family, bf16: bool, tile: int, score_mod: bool,
+                      max_shared: int) -> tuple[Variant, ...] | None:
     """The launches of one backward: one pass, or a dV pass then a dK + dQ pass."""
     for bm, bn, w in BACKWARD_TILES[tile]:
         if tile <= SINGLE_PASS_BACKWARD_MAX:
-            passes = (Variant("bwd", bf16, tile, bm, bn, w, score_mod, True, True),)
+            passes = (Variant(family.name, "bwd", bf16, tile, bm, bn, w, score_mod, True, True),)
         else:
-            passes = (Variant("bwd", bf16, tile, bm, bn, w, score_mod, True, False),
-                      Variant("bwd", bf16, tile, bm, bn, w, score_mod, False, True))
+            passes = (Variant(family.name, "bwd", bf16, tile, bm, bn, w, score_mod, True, False),
+                      Variant(family.name, "bwd", bf16, tile, bm, bn, w, score_mod, False, True))
         if passes[0].shared_bytes() <= max_shared:
             return passes
     return None
 
 
-# shared memory per block (bytes) of the GPU classes the kernels target: sm_80/87, sm_90/100, sm_86/89/120
-SHARED_MEMORY_CLASSES = {"sm_80": 166912, "sm_90": 232448, "sm_86": 101376}
+# opt-in shared memory per block (bytes) by compute capability; others get the small figure
+SHARED_PER_BLOCK = {(8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376, (9, 0): 232448,
+                    (10, 0): 232448, (10, 3): 232448, (12, 0): 101376}
+SMALL_SHARED = 101376
 
 
-def requestable(max_shared: int) -> list[Variant]:
-    """Exactly the specialisations the launcher can request on a GPU with `max_shared` bytes per block."""
+def max_shared(capability) -> int:
+    return SHARED_PER_BLOCK.get(tuple(capability), SMALL_SHARED)
+
+
+def requestable(family: Family, capability) -> list[Variant]:
+    """Exactly the specialisations the launcher can request from `family` on a GPU of `capability`."""
+    shared = max_shared(capability)
     found = []
     for bf16 in (False, True):
         for mod in (False, True):
             for tile in HEAD_DIM_TILES:
-                fwd = forward_variant(bf16, tile, mod, max_shared)
+                fwd = forward_variant(family, bf16, tile, mod, shared)
                 found += [fwd] if fwd else []
-                found += list(backward_variants(bf16, tile, mod, max_shared) or ())
+                found += list(backward_variants(family, bf16, tile, mod, shared) or ())
     return found
 
 
-def all_variants() -> list[Variant]:
-    """Every specialisation the launcher can request, on any supported GPU."""
+def covered_capabilities(family: Family) -> list[tuple[int, int]]:
+    """The GPUs of the shared-memory table that `family` covers."""
+    return [cap for cap in SHARED_PER_BLOCK if family.covers(cap)]
+
+
+def all_variants(family: Family) -> list[Variant]:
+    """Every specialisation the launcher can request from `family`, on any GPU it covers."""
     seen = {}
-    for shared in SHARED_MEMORY_CLASSES.values():
-        for variant in requestable(shared):
+    for cap in covered_capabilities(family):
+        for variant in requestable(family, cap):
             seen.setdefault(variant, None)
     return list(seen)

@@ -9,8 +9,11 @@
 // Compile-time knobs (NVRTC -D): IS_BF16, HEAD_DIM, BLOCK_N (keys per block,
 // = 16 * NUM_WARPS), BLOCK_M (queries per step), NUM_WARPS, SCORE_MOD,
 // DO_DV, DO_DK (large head dims run two passes so each keeps one accumulator).
-#include "fa_common.cuh"
-#include "fa_params.cuh"
+// Sinks need nothing here: lse includes them, and their gradient is a torch op.
+#include "common/mask.cuh"
+#include "common/score_mod.cuh"
+#include "sm80/ptx.cuh"
+#include "sm80/tiles.cuh"
 
 template <bool BF16, int HD, int BN, int BM, int NW, bool MOD, bool WITH_DV, bool WITH_DK>
 DEVI void attention_backward(const AttnParams& p) {
@@ -43,17 +46,16 @@ DEVI void attention_backward(const AttnParams& p) {
   const int nb = blockIdx.x - bhk * nblk;
   const int b = bhk / p.heads_kv, hk = bhk - b * p.heads_kv;
   const int n0 = nb * BN;
-  const int Sq = p.seqlen_q, Sk = p.seqlen_k, off = Sk - Sq;
-  const int wl = p.window_left, wr = p.window_right;
+  const Visibility vis = visibility(p);
+  const int Sq = vis.seqlen_q, Sk = vis.seqlen_k;
   const int G = p.group;
 
   const u16* k = (const u16*)p.k + b * p.k_bs + hk * p.k_hs;
   const u16* v = (const u16*)p.v + b * p.v_bs + hk * p.v_hs;
 
   // query blocks that can see a key of this block
-  const int key_last = min(n0 + BN, Sk) - 1;
-  const int q_lo = max(0, n0 - wr - off);
-  const int q_hi = min(Sq - 1, key_last + wl - off);
+  int q_lo, q_hi;
+  queries_seeing(vis, n0, min(n0 + BN, Sk) - 1, &q_lo, &q_hi);
   const int m_first = q_lo / BM;
   const int m_count = q_hi >= q_lo ? q_hi / BM - m_first + 1 : 0;
   const int steps = m_count * G;
@@ -117,10 +119,7 @@ DEVI void attention_backward(const AttnParams& p) {
     const u32 sQ_a = smem_u32(sQ), sdO_a = smem_u32(sdObuf + stage * BM * LD);
     const float* lse2 = sLse + stage * BM;
     const float* delta = sDelta + stage * BM;
-    float slope = 0.f;
-    if constexpr (MOD) {
-      if (p.alibi) slope = p.alibi[b * p.alibi_bs + hq * p.alibi_hs];
-    }
+    const ScoreMod mod = score_mod(p, b, hq);  // read only by the MOD specialisation
 
     // S^T = K Q^T for this warp's 16 keys
     float s[NTQ][4];
@@ -143,8 +142,7 @@ DEVI void attention_backward(const AttnParams& p) {
 
     // P^T = exp2(score - lse): raw q.k scaled inside exp2 (no score mod), or the modified
     // score in log2 units; tiles wholly inside the window skip the mask
-    const bool need_mask = (m0 + BM > Sq) || (n0 + BN > Sk) || (n0 < m0 + BM - 1 + off - wl) ||
-                           (n0 + BN - 1 > m0 + off + wr);
+    const bool need_mask = m0 + BM > Sq || !tile_inside_band(vis, m0, BM, n0, BN);
     float dcap[MOD ? NTQ : 1][4];
 #pragma unroll
     for (int nt = 0; nt < NTQ; ++nt)
@@ -154,14 +152,7 @@ DEVI void attention_backward(const AttnParams& p) {
         float x = s[nt][i];
         if constexpr (MOD) {
           const int key = n0 + warp_key0 + g + (i >> 1) * 8;
-          x *= p.scale;
-          dcap[nt][i] = 1.f;
-          if (p.softcap > 0.f) {
-            const float th = tanhf(x * p.softcap_inv);
-            x = p.softcap * th;
-            dcap[nt][i] = 1.f - th * th;
-          }
-          x -= slope * fabsf((float)(m0 + qcol + off - key));
+          x = apply_score_mod(mod, x, m0 + qcol, key, &dcap[nt][i]);
         }
         s[nt][i] = exp2_approx(fmaf(x, unit, -lse2[qcol]));
       }
@@ -172,7 +163,7 @@ DEVI void attention_backward(const AttnParams& p) {
         for (int i = 0; i < 4; ++i) {
           const int key = n0 + warp_key0 + g + (i >> 1) * 8;
           const int query = m0 + nt * 8 + 2 * t4 + (i & 1);
-          if (query >= Sq || !key_visible(query, key, Sk, off, wl, wr)) s[nt][i] = 0.f;
+          if (query >= Sq || !key_visible(vis, query, key)) s[nt][i] = 0.f;
         }
     }
 

@@ -1,13 +1,17 @@
 // FlashAttention-2 forward for Ampere-class GPUs (sm_80 .. sm_90): one query
 // block per thread block, each warp owns MT x 16 query rows (no cross-warp
 // reduction), K/V tiles streamed through shared memory with cp.async, online
-// softmax in registers with exp2, fp32 accumulation, one write of out and lse.
+// softmax in registers with exp2, fp32 accumulation, one write of out and lse (the
+// sink, when the call has one, joins each row's sum at the end).
 //
 // Compile-time knobs (NVRTC -D): IS_BF16, HEAD_DIM (padded tile), BLOCK_M,
 // BLOCK_N, NUM_WARPS, SCORE_MOD (softcap and/or ALiBi present, or a scale <= 0), KV_STAGES
 // (2: K/V double-buffered, loads issued a block ahead, two barriers per block instead of four).
-#include "fa_common.cuh"
-#include "fa_params.cuh"
+#include "common/mask.cuh"
+#include "common/score_mod.cuh"
+#include "common/softmax.cuh"
+#include "sm80/ptx.cuh"
+#include "sm80/tiles.cuh"
 
 template <bool BF16, int HD, int BM, int BN, int NW, bool MOD, int STAGES>
 DEVI void attention_forward(const AttnParams& p) {
@@ -34,17 +38,16 @@ DEVI void attention_forward(const AttnParams& p) {
   const int mb = nblk - 1 - (blockIdx.x - bh * nblk);  // heaviest (causal) blocks first
   const int b = bh / p.heads_q, h = bh - b * p.heads_q, hk = h / p.group;
   const int m0 = mb * BM;
-  const int Sq = p.seqlen_q, Sk = p.seqlen_k, off = Sk - Sq;
-  const int wl = p.window_left, wr = p.window_right;
+  const Visibility vis = visibility(p);
+  const int Sq = vis.seqlen_q, Sk = vis.seqlen_k;
 
   const u16* q = (const u16*)p.q + b * p.q_bs + h * p.q_hs;
   const u16* k = (const u16*)p.k + b * p.k_bs + hk * p.k_hs;
   const u16* v = (const u16*)p.v + b * p.v_bs + hk * p.v_hs;
 
   // key blocks that any row of this query block can see
-  const int row_last = min(m0 + BM, Sq) - 1;
-  const int key_lo = max(0, m0 + off - wl);
-  const int key_hi = min(Sk - 1, row_last + off + wr);
+  int key_lo, key_hi;
+  keys_seen(vis, m0, min(m0 + BM, Sq) - 1, &key_lo, &key_hi);
   const int n_first = key_lo / BN;
   const int n_last = key_hi >= key_lo ? key_hi / BN : n_first - 1;
 
@@ -56,10 +59,7 @@ DEVI void attention_forward(const AttnParams& p) {
 
   // log2 units per score unit: without a score mod the scores stay raw q.k (scale > 0 there)
   const float unit = MOD ? 1.f : p.scale_log2;
-  float slope = 0.f;
-  if constexpr (MOD) {
-    if (p.alibi) slope = p.alibi[b * p.alibi_bs + h * p.alibi_hs];
-  }
+  const ScoreMod mod = score_mod(p, b, h);
 
   float acc[MT][DT][4];
   float row_max[MT][2], row_sum[MT][2];
@@ -143,7 +143,7 @@ DEVI void attention_forward(const AttnParams& p) {
 
     // Scores: raw q.k (no score mod: the scale is folded into exp2 below) or, with softcap /
     // ALiBi, the modified score in log2 units. Tiles wholly inside the window skip the mask.
-    const bool need_mask = (n0 + BN > Sk) || (n0 < m0 + BM - 1 + off - wl) || (n0 + BN - 1 > m0 + off + wr);
+    const bool need_mask = !tile_inside_band(vis, m0, BM, n0, BN);
     if constexpr (MOD) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
@@ -153,10 +153,8 @@ DEVI void attention_forward(const AttnParams& p) {
           for (int i = 0; i < 4; ++i) {
             const int row = m0 + warp_row0 + mt * 16 + g + (i >> 1) * 8;
             const int col = n0 + nt * 8 + 2 * t4 + (i & 1);
-            float x = s[mt][nt][i] * p.scale;
-            if (p.softcap > 0.f) x = p.softcap * tanhf(x * p.softcap_inv);
-            x -= slope * fabsf((float)(row + off - col));
-            s[mt][nt][i] = x * ATTNX_LOG2E;
+            float dcap;  // unused here
+            s[mt][nt][i] = apply_score_mod(mod, s[mt][nt][i], row, col, &dcap) * ATTNX_LOG2E;
           }
     }
     if (need_mask) {
@@ -168,7 +166,7 @@ DEVI void attention_forward(const AttnParams& p) {
           for (int i = 0; i < 4; ++i) {
             const int row = m0 + warp_row0 + mt * 16 + g + (i >> 1) * 8;
             const int col = n0 + nt * 8 + 2 * t4 + (i & 1);
-            if (!key_visible(row, col, Sk, off, wl, wr)) s[mt][nt][i] = neg_inf();
+            if (!key_visible(vis, row, col)) s[mt][nt][i] = neg_inf();
           }
     }
 
@@ -182,9 +180,8 @@ DEVI void attention_forward(const AttnParams& p) {
         float mx = row_max[mt][r];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_scaled = mx == neg_inf() ? 0.f : mx * unit;  // a row with nothing visible yet
+        mx = quad_max(mx);
+        const float m_scaled = max_shift(mx, unit);
         const float alpha = exp2_approx(row_max[mt][r] * unit - m_scaled);
         row_max[mt][r] = mx;
         float sum = 0.f;
@@ -243,14 +240,13 @@ DEVI void attention_forward(const AttnParams& p) {
   cp_wait<0>();
   __syncthreads();  // sQ is reused to stage the output
   float* lse = p.lse + (long long)bh * Sq;
+  const float sink = sink_logit(p, h);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float l = row_sum[mt][r];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      float inv, row_lse;
+      softmax_finish(row_max[mt][r] * unit, quad_sum(row_sum[mt][r]), sink, &inv, &row_lse);
       const int srow = warp_row0 + mt * 16 + g + r * 8;
 #pragma unroll
       for (int dt = 0; dt < DT; ++dt) {
@@ -258,7 +254,7 @@ DEVI void attention_forward(const AttnParams& p) {
             pack2<BF16>(acc[mt][dt][2 * r] * inv, acc[mt][dt][2 * r + 1] * inv);
       }
       const int row = m0 + srow;
-      if (t4 == 0 && row < Sq) lse[row] = l > 0.f ? (row_max[mt][r] * unit + log2f(l)) * ATTNX_LN2 : neg_inf();
+      if (t4 == 0 && row < Sq) lse[row] = row_lse;
     }
   __syncthreads();
   u16* o = (u16*)p.o + b * p.o_bs + h * p.o_hs;

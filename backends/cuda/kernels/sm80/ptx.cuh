@@ -1,20 +1,7 @@
-// Shared pieces of the attnx CUDA kernels: inline-PTX wrappers for cp.async,
-// ldmatrix, mma.sync m16n8k16 and conversions, and the tile loader.
-// No CUDA headers are included on purpose: NVRTC compiles this file with no
-// include path, so the kernels build the same way everywhere (CuPy, CI).
+// Inline-PTX wrappers of the Ampere-class kernels: cp.async, ldmatrix, mma.sync m16n8k16,
+// fp32 -> 16-bit conversions and the fp32 vector reduction.
 #pragma once
-
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef unsigned long long u64;
-
-#define DEVI __device__ __forceinline__
-
-#define ATTNX_LOG2E 1.4426950408889634f
-#define ATTNX_LN2 0.6931471805599453f
-
-DEVI float neg_inf() { return __int_as_float(0xff800000u); }
-DEVI float pos_inf() { return __int_as_float(0x7f800000u); }
+#include "common/base.cuh"
 
 // 32-bit shared-memory address of a generic pointer into shared memory.
 DEVI u32 smem_u32(const void* ptr) {
@@ -84,62 +71,4 @@ DEVI void atomic_add2(float* addr, float a, float b) {
   atomicAdd(addr, a);
   atomicAdd(addr + 1, b);
 #endif
-}
-
-DEVI float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// Copy a ROWS x HD tile (row stride LD = HD + 8 elements in shared memory, which
-// makes ldmatrix conflict-free) from global rows row0.. with zero fill past
-// `nrows` rows and past `ncols` columns (ncols is a multiple of 8).
-template <int ROWS, int HD, int THREADS>
-DEVI void load_tile(u16* s, const u16* g, long long row_stride, int row0, int nrows, int ncols, int tid) {
-  constexpr int CPR = HD / 8;
-  constexpr int LD = HD + 8;
-  // each thread keeps one column chunk and steps down the rows: few live registers
-  constexpr int RPP = THREADS / CPR;  // rows per pass
-  constexpr int PASSES = (ROWS + RPP - 1) / RPP;
-  const int r = tid / CPR, cc = tid % CPR;
-  if (THREADS % CPR != 0 && r >= RPP) return;
-  const int rows_left = nrows - row0 - r;
-  const bool col_ok = cc * 8 < ncols;
-  const u16* src = g + (long long)(row0 + r) * row_stride + cc * 8;
-  const u32 dst = smem_u32(s + r * LD + cc * 8);
-#pragma unroll
-  for (int i = 0; i < PASSES; ++i) {
-    if (ROWS % RPP == 0 || r + i * RPP < ROWS) {
-      const bool ok = col_ok && i * RPP < rows_left;
-      cp_async16(dst + i * RPP * LD * 2, ok ? src + (long long)i * RPP * row_stride : g, ok);
-    }
-  }
-}
-
-// Store a ROWS x HD tile staged in shared memory (row stride LD) to global memory
-// with 16-byte stores, rows < nrows and columns < ncols only.
-template <int ROWS, int HD, int THREADS>
-DEVI void store_tile(u16* g, long long row_stride, const u16* s, int row0, int nrows, int ncols, int tid) {
-  constexpr int CPR = HD / 8;
-  constexpr int LD = HD + 8;
-  constexpr int RPP = THREADS / CPR;
-  constexpr int PASSES = (ROWS + RPP - 1) / RPP;
-  const int r = tid / CPR, cc = tid % CPR;
-  if ((THREADS % CPR != 0 && r >= RPP) || cc * 8 >= ncols) return;
-  const int rows_left = nrows - row0 - r;
-  u16* dst = g + (long long)(row0 + r) * row_stride + cc * 8;
-#pragma unroll
-  for (int i = 0; i < PASSES; ++i) {
-    if ((ROWS % RPP == 0 || r + i * RPP < ROWS) && i * RPP < rows_left) {
-      const uint4 val = *reinterpret_cast<const uint4*>(s + (r + i * RPP) * LD + cc * 8);
-      *reinterpret_cast<uint4*>(dst + (long long)i * RPP * row_stride) = val;
-    }
-  }
-}
-
-// Is key `col` visible from query `row` (aligned position row + offset)?
-DEVI bool key_visible(int row, int col, int seqlen_k, int offset, int window_left, int window_right) {
-  const int pos = row + offset;
-  return col < seqlen_k && col >= pos - window_left && col <= pos + window_right;
 }

@@ -1,0 +1,52 @@
+"""Kernel families, declared as data: which GPUs each serves, its sources, how NVRTC targets it.
+
+A family is one implementation of the kernels (its own folder under ``kernels/``, sharing
+``kernels/common/``): the Ampere-class mma.sync kernels today; a Hopper wgmma/TMA family or
+split-KV variants are further records. Among the families that cover a GPU, the one of
+highest priority runs there. `nvrtc_arch` is the one place the ``-arch`` flag is derived.
+"""
+from __future__ import annotations
+
+from typing import Mapping, NamedTuple, Optional
+
+# Compute capabilities compiled for their arch-specific target ("sm_90a": wgmma, TMA and
+# setmaxnreg need it). One target per GPU, so every family shares one cached binary set per GPU.
+ARCH_SPECIFIC = frozenset({(9, 0)})
+
+
+class Family(NamedTuple):
+    name: str                          # also the folder of its sources under kernels/
+    min_capability: tuple[int, int]
+    max_capability: tuple[int, int]    # inclusive
+    sources: Mapping[str, str]         # kernel kind ("fwd", "bwd") -> file under kernels/
+    priority: int                      # among families covering a GPU, the highest runs
+
+    def covers(self, capability) -> bool:
+        return self.min_capability <= tuple(capability) <= self.max_capability
+
+    def source(self, kernel: str) -> str:
+        return self.sources[kernel]
+
+
+AMPERE = Family(name="sm80", min_capability=(8, 0), max_capability=(9, 0),
+                sources={"fwd": "sm80/fa_fwd.cu", "bwd": "sm80/fa_bwd.cu"}, priority=0)
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (AMPERE,)}
+
+
+def family_for(capability) -> Optional[Family]:
+    """The family that runs on a GPU of `capability`, or None when none covers it."""
+    fits = [f for f in FAMILIES.values() if capability is not None and f.covers(capability)]
+    return max(fits, key=lambda f: f.priority, default=None)
+
+
+def nvrtc_arch(capability) -> str:
+    """NVRTC's ``-arch`` value for a GPU of `capability`: ``sm_80``, ``sm_90a``, ..."""
+    major, minor = capability
+    suffix = "a" if (major, minor) in ARCH_SPECIFIC else ""
+    return f"sm_{major}{minor}{suffix}"
+
+
+def capability_range() -> tuple[tuple[int, int], tuple[int, int]]:
+    """The lowest and highest compute capability some family covers."""
+    return (min(f.min_capability for f in FAMILIES.values()), max(f.max_capability for f in FAMILIES.values()))

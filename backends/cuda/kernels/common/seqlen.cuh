@@ -1,0 +1,13 @@
+// Lengths and alignment of the sequence a thread block works on (docs/semantics.md:
+// query i sits at aligned position i + offset). Dense batches share one set, read from
+// the parameters; this is the one place a kernel learns them.
+#pragma once
+#include "common/base.cuh"
+#include "common/params.cuh"
+
+struct SeqInfo {
+  int seqlen_q, seqlen_k;
+  int offset;  // aligned position of query 0
+};
+
+DEVI SeqInfo sequence_info(const AttnParams& p) { return SeqInfo{p.seqlen_q, p.seqlen_k, p.key_offset}; }
