@@ -13,9 +13,6 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 pytest.importorskip("triton")
-from attnx.registry import _import_builtin_backends  # noqa: E402
-
-_import_builtin_backends()
 from attnx.backends.triton import aot, configs  # noqa: E402
 
 WORKERS = max(1, min(4, os.cpu_count() or 1))
@@ -70,7 +67,22 @@ def test_declared_targets_match_aot_targets(vendor, arch, accepted):
     from attnx.backends.triton import BACKEND
     from attnx.problem import Problem
 
-    p = Problem("cuda", vendor, arch, torch.bfloat16, 2, 8, 2, 300, 300, 128, 128, "bhsd", True, None, 0,
-                None, None, False, False, None, 128 ** -0.5, True)
+    # vendor and arch both given: no device is probed
+    p = Problem.create(device="cuda", vendor=vendor, arch=arch, dtype=torch.bfloat16, batch=2, heads_q=8,
+                       heads_kv=2, seqlen_q=300, head_dim=128, causal=True, offset=-7, sinks=True, needs_grad=True)
     own = [r for r in BACKEND.reasons(p) if r not in BACKEND.unavailable_reasons]
     assert (not own) == accepted, own
+
+
+@pytest.mark.parametrize("vendor,arch,rank", [("nvidia", "sm_90", 90), ("nvidia", "sm_80", 70),
+                                              ("nvidia", "sm_89", 70), ("amd", "gfx942", 70)])
+def test_priority_by_device_class(vendor, arch, rank):
+    """Ahead of the cuda backend's Ampere family (60 there) on Hopper, behind it (80) elsewhere on NVIDIA."""
+    import torch
+
+    from attnx.backends.triton import BACKEND
+    from attnx.problem import Problem
+
+    p = Problem.create(device="cuda", vendor=vendor, arch=arch, dtype=torch.float16, batch=1, heads_q=8,
+                       seqlen_q=1024, head_dim=64)
+    assert BACKEND.rank(p.bucketed()) == rank

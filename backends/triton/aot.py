@@ -24,8 +24,7 @@ TARGETS = {
     "gfx1100": ("hip", "gfx1100", 32, "rdna", 65536),
 }
 _FLOAT_ARGS = {"scale", "softcap"}
-_FP32_POINTERS = {"Lse", "Delta", "Mask", "Slopes", "dMask"}
-_last_ptx = ""  # PTX of the last NVIDIA compile, for register/spill reports (ptxas -v)
+_FP32_POINTERS = {"Lse", "Delta", "Mask", "Slopes", "Sinks", "dMask"}
 
 
 class Variant(NamedTuple):
@@ -95,7 +94,7 @@ def compile_variant(variant: Variant, target: str) -> dict:
         constexprs = {"BLOCK_M": c.block_m, "BLOCK_D": variant.block_d}
     else:
         constexprs = {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_D": variant.block_d,
-                      "EVEN_D": variant.path == "dense", "GENERAL": variant.path == "general"}
+                      "DENSE": variant.path == "dense"}
     # a launch sees the head dim contiguous (stride 1), which Triton folds in as a constant
     constexprs.update({name: 1 for name in fn.arg_names if name.startswith("stride") and name.endswith("d")})
     sig = _signature(fn, variant, constexprs)
@@ -106,8 +105,6 @@ def compile_variant(variant: Variant, target: str) -> dict:
     start = time.perf_counter()
     compiled = triton.compile(src, target=GPUTarget(backend, arch, warp), options=c.options(fam))
     meta = compiled.metadata
-    global _last_ptx
-    _last_ptx = compiled.asm.get("ptx", "")
     binary = "cubin" if backend == "cuda" else "hsaco"
     return {"id": variant.id, "target": target, "seconds": round(time.perf_counter() - start, 2),
             "shared": meta.shared, "binary_bytes": len(compiled.asm.get(binary, b"")),

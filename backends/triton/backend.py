@@ -10,10 +10,10 @@ import os
 import torch
 
 from attnx.backend import Backend
+from attnx.limits import length_reasons
 
 from . import configs
 
-MAX_SEQLEN = 1 << 28          # window sentinels (2**30) must stay far above every position
 MAX_GRID_Y = 65535            # batch * heads rides on the grid's second axis
 
 
@@ -31,6 +31,11 @@ class TritonBackend(Backend):
     dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32})
     max_head_dim = max(configs.BLOCK_DS)
     deterministic = True
+    supports_offset = True
+    supports_sinks = True
+    # Measured faster than the cuda backend's Ampere family on Hopper (docs/backends.md); "cpu" is the
+    # interpreter (TRITON_INTERPRET=1), a test mode that must never outrank blocked (20) or naive.
+    priority = {"cuda:sm_90": 90, "cuda": 70, "cpu": 0}
     required_modules = ("triton",)
     install_hint = 'pip install "attnx[triton]"'
 
@@ -49,9 +54,7 @@ class TritonBackend(Backend):
         return ["no CUDA or ROCm GPU visible to torch (TRITON_INTERPRET=1 runs it on CPU tensors, slowly)"]
 
     def extra_reasons(self, p) -> list[str]:
-        reasons = []
-        if max(p.seqlen_q, p.seqlen_k) >= MAX_SEQLEN:
-            reasons.append(f"sequence length {max(p.seqlen_q, p.seqlen_k)} at or above {MAX_SEQLEN}")
+        reasons = length_reasons(p)
         if p.batch * max(p.heads_q, 1) > MAX_GRID_Y:
             reasons.append(f"batch * heads = {p.batch * p.heads_q} above the grid limit {MAX_GRID_Y}")
         if p.vendor == "nvidia" and p.dtype == torch.bfloat16 and p.capability is not None and p.capability < (8, 0):
@@ -66,15 +69,15 @@ class TritonBackend(Backend):
                     reasons.append(why)
         return reasons
 
-    def forward(self, p, q, k, v, mask, alibi_slopes):
+    def forward(self, p, x):
         from .launch import forward
 
-        return forward(p, q, k, v, mask, alibi_slopes)
+        return forward(p, x)
 
-    def backward(self, p, q, k, v, mask, alibi_slopes, out, lse, dout):
+    def backward(self, p, x, out, lse, dout):
         from .launch import backward
 
-        return backward(p, q, k, v, mask, alibi_slopes, out, lse, dout)
+        return backward(p, x, out, lse, dout)
 
 
 BACKEND = TritonBackend()

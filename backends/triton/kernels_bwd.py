@@ -9,7 +9,7 @@ Three launches, no atomics (so results are bitwise reproducible):
 import triton
 import triton.language as tl
 
-from .kernels_common import LOG2E, block_range, dot, scores
+from .kernels_common import block_range, dot, load_rows, lse_log2, scores, store_rows
 
 
 @triton.jit(do_not_specialize=["heads_q", "seqlen_q", "head_dim_v"])
@@ -40,7 +40,7 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dmask_base
                  mask_base, stride_mask_m, stride_mask_n, slope, offs_n, offs_m, offs_d,
                  lo, hi, split, gap, scale, softcap, key_offset, seqlen_q, seqlen_k, head_dim, head_dim_v,
                  window_left, window_right, store_dmask,
-                 BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, GENERAL: tl.constexpr, BOUNDARY: tl.constexpr):
+                 BLOCK_M: tl.constexpr, DENSE: tl.constexpr, BOUNDARY: tl.constexpr):
     # transposed formulation (rows = keys) so dV += P^T dO and dK += dS^T Q need no transposes of P
     for i in range(0, (hi - lo) // BLOCK_M):
         start_m = lo + i * BLOCK_M
@@ -50,29 +50,20 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dmask_base
         rows = offs_qm.to(tl.int64)[:, None]
         q_ptrs = q_base + rows * stride_qm + offs_d[None, :] * stride_qd
         do_ptrs = do_base + rows * stride_dom + offs_d[None, :] * stride_dod
-        if EVEN_D:
-            if BOUNDARY:
-                q = tl.load(q_ptrs, mask=offs_qm[:, None] < seqlen_q, other=0.0)
-                do = tl.load(do_ptrs, mask=offs_qm[:, None] < seqlen_q, other=0.0)
-            else:
-                q = tl.load(q_ptrs)
-                do = tl.load(do_ptrs)
-        else:
-            q = tl.load(q_ptrs, mask=(offs_qm[:, None] < seqlen_q) & (offs_d[None, :] < head_dim), other=0.0)
-            do = tl.load(do_ptrs, mask=(offs_qm[:, None] < seqlen_q) & (offs_d[None, :] < head_dim_v), other=0.0)
+        q = load_rows(q_ptrs, offs_qm, seqlen_q, offs_d, head_dim, DENSE, BOUNDARY)
+        do = load_rows(do_ptrs, offs_qm, seqlen_q, offs_d, head_dim_v, DENSE, BOUNDARY)
         # rows past Sq and rows that saw no key get lse = +inf, hence P = 0
-        lse = tl.load(lse_base + offs_qm, mask=offs_qm < seqlen_q, other=float("inf"))
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+        lse2 = lse_log2(tl.load(lse_base + offs_qm, mask=offs_qm < seqlen_q, other=float("inf")))
         delta = tl.load(delta_base + offs_qm, mask=offs_qm < seqlen_q, other=0.0)
         qk_t = dot(k, tl.trans(q), tl.zeros([k.shape[0], BLOCK_M], dtype=tl.float32))
         s2_t, t_t = scores(qk_t, offs_qm[None, :], offs_n[:, None], scale, softcap, slope, mask_base,
                            stride_mask_m, stride_mask_n, key_offset, seqlen_q, seqlen_k, window_left, window_right,
-                           GENERAL, BOUNDARY)
+                           DENSE, BOUNDARY)
         p_t = tl.math.exp2(s2_t - lse2[None, :])
         dv = dot(p_t.to(do.dtype), do, dv)
         dp_t = dot(v, tl.trans(do), tl.zeros([k.shape[0], BLOCK_M], dtype=tl.float32))
         ds_t = p_t * (dp_t - delta[None, :])
-        if GENERAL:
+        if not DENSE:
             if store_dmask != 0:
                 # gradient of an additive mask = gradient of the final score
                 dm_ptrs = dmask_base + offs_qm.to(tl.int64)[None, :] * seqlen_k + offs_n[:, None]
@@ -97,8 +88,7 @@ def bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Mask, Slopes, dMask,
              stride_slope_b, stride_slope_h,
              heads_q, heads_kv, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v,
              key_offset, window_left, window_right, scale, softcap, store_dmask, seq_bucket,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-             GENERAL: tl.constexpr):
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DENSE: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // heads_kv).to(tl.int64)
@@ -110,12 +100,8 @@ def bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Mask, Slopes, dMask,
     cols = offs_n.to(tl.int64)[:, None]
     k_ptrs = K + b * stride_kb + h_kv * stride_kh + cols * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = V + b * stride_vb + h_kv * stride_vh + cols * stride_vn + offs_d[None, :] * stride_vd
-    if EVEN_D:
-        k = tl.load(k_ptrs, mask=offs_n[:, None] < seqlen_k, other=0.0)
-        v = tl.load(v_ptrs, mask=offs_n[:, None] < seqlen_k, other=0.0)
-    else:
-        k = tl.load(k_ptrs, mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < head_dim), other=0.0)
-        v = tl.load(v_ptrs, mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < head_dim_v), other=0.0)
+    k = load_rows(k_ptrs, offs_n, seqlen_k, offs_d, head_dim, DENSE, True)
+    v = load_rows(v_ptrs, offs_n, seqlen_k, offs_d, head_dim_v, DENSE, True)
 
     # queries that may see a key of this block: p_i - left <= j <= p_i + right
     last_key = tl.minimum(n0 + BLOCK_N, seqlen_k) - 1
@@ -125,7 +111,7 @@ def bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Mask, Slopes, dMask,
         n0 + BLOCK_N - 1 - key_offset - window_right,
         tl.minimum(n0 + window_left - key_offset + 1, seqlen_q),
         BLOCK_M)
-    if GENERAL:
+    if not DENSE:
         # one loop, every block masked: half the code to compile for the rarely-hot path
         full_lo = lo
         full_hi = lo
@@ -142,7 +128,7 @@ def bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Mask, Slopes, dMask,
         dmask_base = dMask + (b * heads_q + h) * seqlen_q * seqlen_k
         mask_base = Mask + b * stride_mask_b + h * stride_mask_h
         slope = 0.0
-        if GENERAL:
+        if not DENSE:
             slope = tl.load(Slopes + b * stride_slope_b + h * stride_slope_h)
         else:  # interior blocks (the general path has none)
             dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dmask_base,
@@ -150,24 +136,19 @@ def bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Mask, Slopes, dMask,
                                   mask_base, stride_mask_m, stride_mask_n, slope, offs_n, offs_m, offs_d,
                                   full_lo, full_hi, full_hi, 0, scale, softcap, key_offset, seqlen_q, seqlen_k,
                                   head_dim, head_dim_v, window_left, window_right, store_dmask,
-                                  BLOCK_M, EVEN_D, GENERAL, False)
+                                  BLOCK_M, DENSE, False)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dmask_base,
                               stride_qm, stride_qd, stride_dom, stride_dod,
                               mask_base, stride_mask_m, stride_mask_n, slope, offs_n, offs_m, offs_d,
                               lo, end - (full_hi - full_lo), full_lo, full_hi - full_lo, scale, softcap,
                               key_offset, seqlen_q, seqlen_k, head_dim, head_dim_v, window_left, window_right,
-                              store_dmask, BLOCK_M, EVEN_D, GENERAL, True)
+                              store_dmask, BLOCK_M, DENSE, True)
 
     dk = dk * scale
     dk_ptrs = dK + b * stride_dkb + h_kv * stride_dkh + cols * stride_dkn + offs_d[None, :] * stride_dkd
     dv_ptrs = dV + b * stride_dvb + h_kv * stride_dvh + cols * stride_dvn + offs_d[None, :] * stride_dvd
-    if EVEN_D:
-        tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=offs_n[:, None] < seqlen_k)
-        tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=offs_n[:, None] < seqlen_k)
-    else:
-        tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < head_dim))
-        tl.store(dv_ptrs, dv.to(dV.dtype.element_ty),
-                 mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < head_dim_v))
+    store_rows(dk_ptrs, dk.to(dK.dtype.element_ty), offs_n, seqlen_k, offs_d, head_dim, DENSE)
+    store_rows(dv_ptrs, dv.to(dV.dtype.element_ty), offs_n, seqlen_k, offs_d, head_dim_v, DENSE)
 
 
 @triton.jit
@@ -175,7 +156,7 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, str
                mask_base, stride_mask_m, stride_mask_n, slope, offs_m, offs_n, offs_d,
                lo, hi, split, gap, scale, softcap, key_offset, seqlen_q, seqlen_k, head_dim, head_dim_v,
                window_left, window_right,
-               BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, GENERAL: tl.constexpr, BOUNDARY: tl.constexpr):
+               BLOCK_N: tl.constexpr, DENSE: tl.constexpr, BOUNDARY: tl.constexpr):
     for i in range(0, (hi - lo) // BLOCK_N):
         start_n = lo + i * BLOCK_N
         if BOUNDARY:
@@ -184,24 +165,16 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, str
         cols = offs_kn.to(tl.int64)[:, None]
         k_ptrs = k_base + cols * stride_kn + offs_d[None, :] * stride_kd
         v_ptrs = v_base + cols * stride_vn + offs_d[None, :] * stride_vd
-        if EVEN_D:
-            if BOUNDARY:
-                k = tl.load(k_ptrs, mask=offs_kn[:, None] < seqlen_k, other=0.0)
-                v = tl.load(v_ptrs, mask=offs_kn[:, None] < seqlen_k, other=0.0)
-            else:
-                k = tl.load(k_ptrs)
-                v = tl.load(v_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=(offs_kn[:, None] < seqlen_k) & (offs_d[None, :] < head_dim), other=0.0)
-            v = tl.load(v_ptrs, mask=(offs_kn[:, None] < seqlen_k) & (offs_d[None, :] < head_dim_v), other=0.0)
+        k = load_rows(k_ptrs, offs_kn, seqlen_k, offs_d, head_dim, DENSE, BOUNDARY)
+        v = load_rows(v_ptrs, offs_kn, seqlen_k, offs_d, head_dim_v, DENSE, BOUNDARY)
         qk = dot(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32))
         s2, t = scores(qk, offs_m[:, None], offs_kn[None, :], scale, softcap, slope, mask_base,
                        stride_mask_m, stride_mask_n, key_offset, seqlen_q, seqlen_k, window_left, window_right,
-                       GENERAL, BOUNDARY)
+                       DENSE, BOUNDARY)
         p = tl.math.exp2(s2 - lse2[:, None])
         dp = dot(do, tl.trans(v), tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32))
         ds = p * (dp - delta[:, None])
-        if GENERAL:
+        if not DENSE:
             if softcap > 0.0:
                 ds = ds * (1.0 - t * t)
         dq = dot(ds.to(k.dtype), k, dq)
@@ -220,8 +193,7 @@ def bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Mask, Slopes,
            stride_slope_b, stride_slope_h,
            heads_q, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v,
            key_offset, window_left, window_right, scale, softcap, seq_bucket,
-           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-           GENERAL: tl.constexpr):
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DENSE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // heads_q).to(tl.int64)
@@ -235,21 +207,16 @@ def bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Mask, Slopes,
     rows = offs_m.to(tl.int64)[:, None]
     q_ptrs = Q + b * stride_qb + h * stride_qh + rows * stride_qm + offs_d[None, :] * stride_qd
     do_ptrs = dOut + b * stride_dob + h * stride_doh + rows * stride_dom + offs_d[None, :] * stride_dod
-    if EVEN_D:
-        q = tl.load(q_ptrs, mask=offs_m[:, None] < seqlen_q, other=0.0)
-        do = tl.load(do_ptrs, mask=offs_m[:, None] < seqlen_q, other=0.0)
-    else:
-        q = tl.load(q_ptrs, mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim), other=0.0)
-        do = tl.load(do_ptrs, mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim_v), other=0.0)
+    q = load_rows(q_ptrs, offs_m, seqlen_q, offs_d, head_dim, DENSE, True)
+    do = load_rows(do_ptrs, offs_m, seqlen_q, offs_d, head_dim_v, DENSE, True)
     row_base = (b * heads_q + h) * seqlen_q
-    lse = tl.load(Lse + row_base + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    lse2 = lse_log2(tl.load(Lse + row_base + offs_m, mask=offs_m < seqlen_q, other=float("inf")))
     delta = tl.load(Delta + row_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
     k_base = K + b * stride_kb + h_kv * stride_kh
     v_base = V + b * stride_vb + h_kv * stride_vh
     mask_base = Mask + b * stride_mask_b + h * stride_mask_h
     slope = 0.0
-    if GENERAL:
+    if not DENSE:
         slope = tl.load(Slopes + b * stride_slope_b + h * stride_slope_h)
 
     last_row = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
@@ -260,22 +227,19 @@ def bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Mask, Slopes,
         tl.minimum(m0 + key_offset + window_right + 1, seqlen_k),
         BLOCK_N)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if GENERAL:
+    if not DENSE:
         full_lo = lo
         full_hi = lo
     else:
         dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                         mask_base, stride_mask_m, stride_mask_n, slope, offs_m, offs_n, offs_d,
                         full_lo, full_hi, full_hi, 0, scale, softcap, key_offset, seqlen_q, seqlen_k,
-                        head_dim, head_dim_v, window_left, window_right, BLOCK_N, EVEN_D, GENERAL, False)
+                        head_dim, head_dim_v, window_left, window_right, BLOCK_N, DENSE, False)
     dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                     mask_base, stride_mask_m, stride_mask_n, slope, offs_m, offs_n, offs_d,
                     lo, end - (full_hi - full_lo), full_lo, full_hi - full_lo, scale, softcap, key_offset,
                     seqlen_q, seqlen_k, head_dim, head_dim_v, window_left, window_right,
-                    BLOCK_N, EVEN_D, GENERAL, True)
+                    BLOCK_N, DENSE, True)
     dq = dq * scale
     dq_ptrs = dQ + b * stride_dqb + h * stride_dqh + rows * stride_dqm + offs_d[None, :] * stride_dqd
-    if EVEN_D:
-        tl.store(dq_ptrs, dq.to(dQ.dtype.element_ty), mask=offs_m[:, None] < seqlen_q)
-    else:
-        tl.store(dq_ptrs, dq.to(dQ.dtype.element_ty), mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim))
+    store_rows(dq_ptrs, dq.to(dQ.dtype.element_ty), offs_m, seqlen_q, offs_d, head_dim, DENSE)

@@ -11,6 +11,40 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
+@triton.jit
+def lse_log2(lse):
+    """``lse * log2(e)`` for recomputing P = exp2(s2 - lse2); +inf for rows that saw nothing (so P = 0).
+
+    The kernel-side twin of `attnx.limits.lse_log2`; a NaN lse stays NaN (its row's gradients too).
+    """
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@triton.jit
+def load_rows(ptrs, rows, n_rows, offs_d, dim, DENSE: tl.constexpr, BOUNDARY: tl.constexpr):
+    """A (rows, BLOCK_D) tile, zeros outside ``rows < n_rows`` and ``offs_d < dim``.
+
+    The dense path has a full head dim, and its interior blocks (BOUNDARY False) no row past
+    the end either, so it masks rows only at boundaries; the general path masks both.
+    """
+    if DENSE:
+        if BOUNDARY:
+            x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < dim), other=0.0)
+    return x
+
+
+@triton.jit
+def store_rows(ptrs, x, rows, n_rows, offs_d, dim, DENSE: tl.constexpr):
+    """Store a (rows, BLOCK_D) tile where ``rows < n_rows`` (and ``offs_d < dim`` on the general path)."""
+    if DENSE:
+        tl.store(ptrs, x, mask=rows[:, None] < n_rows)
+    else:
+        tl.store(ptrs, x, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < dim))
+
 
 @triton.jit
 def dot(a, b, acc):
@@ -48,15 +82,15 @@ def block_range(lo_raw, hi, full_lo_raw, full_hi_raw, BLOCK: tl.constexpr):
 @triton.jit
 def scores(qk, q_idx, k_idx, scale, softcap, slope, mask_base, stride_mask_m, stride_mask_n,
            key_offset, seqlen_q, seqlen_k, window_left, window_right,
-           GENERAL: tl.constexpr, BOUNDARY: tl.constexpr):
+           DENSE: tl.constexpr, BOUNDARY: tl.constexpr):
     """Final scores in the log2 domain, -inf where a key may not be seen, and tanh for softcap's derivative.
 
-    ``qk`` is the raw dot product; SPEC order: scale -> softcap -> alibi -> mask -> window.
-    The general path always adds alibi (slope 0 when absent) and an additive float32
+    ``qk`` is the raw dot product; order (docs/semantics.md): scale -> softcap -> alibi -> mask -> window.
+    The general path (DENSE False) always adds alibi (slope 0 when absent) and an additive float32
     mask (bool masks arrive as 0/-inf; no mask = a zero-stride zero), so it has no
     further variants.
     """
-    if GENERAL:
+    if not DENSE:
         s = qk * scale
         t = s
         if softcap > 0.0:

@@ -1,7 +1,8 @@
 """FlashAttention-2 forward in Triton: grid (query block, batch x head), K/V streamed with online softmax.
 
 Key blocks that the causal/window rule rules out entirely are never visited; only
-the boundary blocks pay for positional masks. One write of out and lse at the end.
+the boundary blocks pay for positional masks. One write of out and lse at the end,
+where a head's sink (docs/semantics.md) joins the softmax denominator.
 """
 import triton
 import triton.language as tl
@@ -9,7 +10,7 @@ import triton.language as tl
 # Sizes vary with every call: compiling a kernel per value of their "== 1" / "% 16" properties would
 # recompile for new shapes. Strides stay specialised (their divisibility gives 16-byte loads).
 
-from .kernels_common import LN2, block_range, dot, scores
+from .kernels_common import LN2, LOG2E, block_range, dot, load_rows, scores, store_rows
 
 
 @triton.jit
@@ -17,8 +18,7 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_v
                 mask_base, stride_mask_m, stride_mask_n, slope, offs_m, offs_n, offs_d,
                 lo, hi, split, gap, scale, softcap, key_offset, seqlen_q, seqlen_k, head_dim, head_dim_v,
                 window_left, window_right,
-                BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, GENERAL: tl.constexpr,
-                BOUNDARY: tl.constexpr):
+                BLOCK_N: tl.constexpr, DENSE: tl.constexpr, BOUNDARY: tl.constexpr):
     # BOUNDARY visits [lo, split) then [gap_end, hi) in one loop (one copy of the body)
     for i in range(0, (hi - lo) // BLOCK_N):
         start_n = lo + i * BLOCK_N
@@ -27,19 +27,14 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_v
         offs_kn = start_n + offs_n
         k_ptrs = k_base + offs_kn.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd
         v_ptrs = v_base + offs_kn.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd
-        if EVEN_D:
-            if BOUNDARY:
-                k = tl.load(k_ptrs, mask=offs_kn[:, None] < seqlen_k, other=0.0)
-            else:
-                k = tl.load(k_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=(offs_kn[:, None] < seqlen_k) & (offs_d[None, :] < head_dim), other=0.0)
+        k = load_rows(k_ptrs, offs_kn, seqlen_k, offs_d, head_dim, DENSE, BOUNDARY)
         qk = dot(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32))
         s2, _ = scores(qk, offs_m[:, None], offs_kn[None, :], scale, softcap, slope, mask_base,
                        stride_mask_m, stride_mask_n, key_offset, seqlen_q, seqlen_k, window_left, window_right,
-                       GENERAL, BOUNDARY)
+                       DENSE, BOUNDARY)
+        # (a NaN score may or may not win the max; either way exp2 turns it into a NaN l_i and acc)
         m_new = tl.maximum(m_i, tl.max(s2, 1))
-        if BOUNDARY or GENERAL:
+        if BOUNDARY or not DENSE:
             # a row that has seen no key yet keeps m = -inf; subtract 0 instead (no NaN)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
@@ -48,21 +43,15 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_v
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if EVEN_D:
-            if BOUNDARY:
-                v = tl.load(v_ptrs, mask=offs_kn[:, None] < seqlen_k, other=0.0)
-            else:
-                v = tl.load(v_ptrs)
-        else:
-            v = tl.load(v_ptrs, mask=(offs_kn[:, None] < seqlen_k) & (offs_d[None, :] < head_dim_v), other=0.0)
+        v = load_rows(v_ptrs, offs_kn, seqlen_k, offs_d, head_dim_v, DENSE, BOUNDARY)
         acc = dot(p.to(v.dtype), v, acc)
         m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit(do_not_specialize=["heads_q", "group_size", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v",
-                            "key_offset", "window_left", "window_right", "seq_bucket"])
-def attn_fwd(Q, K, V, Out, Lse, Mask, Slopes,
+                            "key_offset", "window_left", "window_right", "has_sinks", "seq_bucket"])
+def attn_fwd(Q, K, V, Out, Lse, Mask, Slopes, Sinks,
              stride_qb, stride_qh, stride_qm, stride_qd,
              stride_kb, stride_kh, stride_kn, stride_kd,
              stride_vb, stride_vh, stride_vn, stride_vd,
@@ -70,9 +59,8 @@ def attn_fwd(Q, K, V, Out, Lse, Mask, Slopes,
              stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
              stride_slope_b, stride_slope_h,
              heads_q, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v,
-             key_offset, window_left, window_right, scale, softcap, seq_bucket,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-             GENERAL: tl.constexpr):
+             key_offset, window_left, window_right, scale, softcap, has_sinks, seq_bucket,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DENSE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // heads_q).to(tl.int64)
@@ -85,15 +73,12 @@ def attn_fwd(Q, K, V, Out, Lse, Mask, Slopes,
     offs_d = tl.arange(0, BLOCK_D)
 
     q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    if EVEN_D:
-        q = tl.load(q_ptrs, mask=offs_m[:, None] < seqlen_q, other=0.0)
-    else:
-        q = tl.load(q_ptrs, mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim), other=0.0)
+    q = load_rows(q_ptrs, offs_m, seqlen_q, offs_d, head_dim, DENSE, True)
     k_base = K + b * stride_kb + h_kv * stride_kh
     v_base = V + b * stride_vb + h_kv * stride_vh
     mask_base = Mask + b * stride_mask_b + h * stride_mask_h
     slope = 0.0
-    if GENERAL:
+    if not DENSE:
         slope = tl.load(Slopes + b * stride_slope_b + h * stride_slope_h)
 
     # keys any row of this block may see, and the part no row needs masked
@@ -108,7 +93,7 @@ def attn_fwd(Q, K, V, Out, Lse, Mask, Slopes,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if GENERAL:
+    if not DENSE:
         # one loop, every block masked: half the code to compile for the rarely-hot path
         full_lo = lo
         full_hi = lo
@@ -117,21 +102,27 @@ def attn_fwd(Q, K, V, Out, Lse, Mask, Slopes,
         acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                     mask_base, stride_mask_m, stride_mask_n, slope, offs_m, offs_n, offs_d,
                                     full_lo, full_hi, full_hi, 0, scale, softcap, key_offset, seqlen_q, seqlen_k,
-                                    head_dim, head_dim_v, window_left, window_right, BLOCK_N, EVEN_D, GENERAL,
-                                    False)
+                                    head_dim, head_dim_v, window_left, window_right, BLOCK_N, DENSE, False)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                 mask_base, stride_mask_m, stride_mask_n, slope, offs_m, offs_n, offs_d,
                                 lo, end - (full_hi - full_lo), full_lo, full_hi - full_lo, scale, softcap,
                                 key_offset, seqlen_q, seqlen_k, head_dim, head_dim_v, window_left, window_right,
-                                BLOCK_N, EVEN_D, GENERAL, True)
+                                BLOCK_N, DENSE, True)
 
-    seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    if has_sinks != 0:
+        # the sink is one more key of score sinks[h] (not scaled or modified) and value 0
+        sink2 = tl.load(Sinks + h) * LOG2E
+        m_new = tl.maximum(m_i, sink2)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.math.exp2(sink2 - m_use)
+        acc = acc * alpha[:, None]
+        m_i = m_use
+    # l_i == 0: the row saw nothing (out 0, lse -inf); a NaN l_i (a NaN score) keeps the row NaN
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
     o_ptrs = (Out + b * stride_ob + h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_om
               + offs_d[None, :] * stride_od)
-    if EVEN_D:
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < seqlen_q)
-    else:
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim_v))
+    store_rows(o_ptrs, out.to(Out.dtype.element_ty), offs_m, seqlen_q, offs_d, head_dim_v, DENSE)
     tl.store(Lse + (b * heads_q + h) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)

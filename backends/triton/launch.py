@@ -10,13 +10,14 @@ import torch
 import triton
 
 from attnx.autograd import alloc_out, sum_to_shape
+from attnx.inputs import Grads, sinks_grad
+from attnx.limits import kernel_window
 
 from . import configs, interpreter_fix
 from .configs import DTYPE_NAMES, path_of
 from .kernels_bwd import bwd_dkdv, bwd_dq, bwd_preprocess
 from .kernels_fwd import attn_fwd
 
-UNBOUNDED = 1 << 30            # stands for a window side of None (positions stay far below it)
 AUTOTUNE_MIN_SCORES = 1 << 26  # B*H*Sq*Sk below this: first candidate, no autotuning
 KERNEL_FNS = {"fwd": attn_fwd, "bwd_dkdv": bwd_dkdv, "bwd_dq": bwd_dq}
 
@@ -42,7 +43,7 @@ def _launch(kernel: str, p, grid_of, args: list, bd: int, path: str):
         interpreter_fix.apply()
     fam = configs.family(p.vendor, p.arch)
     dtype = DTYPE_NAMES[p.dtype]
-    consts = {"BLOCK_D": bd, "EVEN_D": path == "dense", "GENERAL": path == "general"}
+    consts = {"BLOCK_D": bd, "DENSE": path == "dense"}
     cands = configs.candidates(fam, kernel, path, bd, dtype)
     big = p.batch * p.heads_q * p.seqlen_q * p.seqlen_k >= AUTOTUNE_MIN_SCORES
     if len(cands) > 1 and big:
@@ -52,12 +53,6 @@ def _launch(kernel: str, p, grid_of, args: list, bd: int, path: str):
     c = cands[0]
     KERNEL_FNS[kernel][grid_of(c.block_m, c.block_n)](*args, BLOCK_M=c.block_m, BLOCK_N=c.block_n, **consts,
                                                       **c.options(fam))
-
-
-def _window(p):
-    left = UNBOUNDED if p.window_left is None else p.window_left
-    right = UNBOUNDED if p.window_right is None else p.window_right
-    return left, right
 
 
 def _seq_bucket(p) -> int:
@@ -95,21 +90,32 @@ def _common(p, q, mask, alibi_slopes):
     return bd, path_of(p), mask_t, mask_strides, slopes_t, slope_strides
 
 
-def forward(p, q, k, v, mask, alibi_slopes):
-    bd, path, mask_t, mask_strides, slopes_t, slope_strides = _common(p, q, mask, alibi_slopes)
+def _sinks_arg(sinks, device):
+    """(float32 (Hq,) tensor, flag): no sinks is a one-element dummy the kernel never reads."""
+    if sinks is None:
+        return torch.zeros(1, dtype=torch.float32, device=device), 0
+    return sinks.float().contiguous(), 1
+
+
+def forward(p, x):
+    q, k, v = x.q, x.k, x.v
+    bd, path, mask_t, mask_strides, slopes_t, slope_strides = _common(p, q, x.mask, x.alibi_slopes)
+    sinks_t, has_sinks = _sinks_arg(x.sinks, q.device)
     out = alloc_out(p, q)
     lse = torch.empty((p.batch, p.heads_q, p.seqlen_q), dtype=torch.float32, device=q.device)
-    left, right = _window(p)
-    args = [q, k, v, out, lse, mask_t, slopes_t, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+    left, right = kernel_window(p)
+    args = [q, k, v, out, lse, mask_t, slopes_t, sinks_t, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             *mask_strides, *slope_strides, p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, p.head_dim,
-            p.head_dim_v, p.key_offset, left, right, p.scale, p.softcap or 0.0, _seq_bucket(p)]
+            p.head_dim_v, p.key_offset, left, right, p.scale, p.softcap or 0.0, has_sinks, _seq_bucket(p)]
     grid_of = lambda bm, bn: (triton.cdiv(p.seqlen_q, bm), p.batch * p.heads_q)
     _launch("fwd", p, grid_of, args, bd, path)
     return out, lse
 
 
-def backward(p, q, k, v, mask, alibi_slopes, out, lse, dout):
-    bd, path, mask_t, mask_strides, slopes_t, slope_strides = _common(p, q, mask, alibi_slopes)
+def backward(p, x, out, lse, dout) -> Grads:
+    q, k, v, mask = x.q, x.k, x.v, x.mask
+    bd, path, mask_t, mask_strides, slopes_t, slope_strides = _common(p, q, mask, x.alibi_slopes)
+    # lse includes the sink, so P (hence dq, dk, dv) needs nothing more from it
     lse = lse.float().contiguous()
     delta = torch.empty_like(lse)
     if p.device_type == "cpu":
@@ -125,7 +131,7 @@ def backward(p, q, k, v, mask, alibi_slopes, out, lse, dout):
     # keys outside a query's window are never visited, so their mask gradient must start at 0
     dmask_full = (torch.zeros((p.batch, p.heads_q, p.seqlen_q, p.seqlen_k), dtype=torch.float32, device=q.device)
                   if store_dmask else torch.empty(1, dtype=torch.float32, device=q.device))
-    left, right = _window(p)
+    left, right = kernel_window(p)
     tail = [p.head_dim, p.head_dim_v, p.key_offset, left, right, p.scale, p.softcap or 0.0]
     args = [q, k, v, dout, lse, delta, dk, dv, mask_t, slopes_t, dmask_full, *q.stride(), *k.stride(),
             *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(), *mask_strides, *slope_strides,
@@ -136,4 +142,5 @@ def backward(p, q, k, v, mask, alibi_slopes, out, lse, dout):
             p.seqlen_k, *tail, _seq_bucket(p)]
     _launch("bwd_dq", p, lambda bm, bn: (triton.cdiv(p.seqlen_q, bm), p.batch * p.heads_q), args, bd, path)
     dmask = sum_to_shape(dmask_full, p.mask_shape).to(mask.dtype) if store_dmask else None
-    return dq, dk, dv, dmask
+    dsinks = sinks_grad(x.sinks, lse, delta) if x.sinks is not None else None
+    return Grads(dq, dk, dv, dmask, dsinks)
