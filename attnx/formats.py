@@ -3,9 +3,11 @@
 `sequences` reads the index tensors (one host sync), checks every value a kernel
 would trust (so nothing a user passes makes a read go out of bounds), and yields
 each sequence as a dense ``(1, H, S, D)`` problem. A backend without a kernel of
-its own for a format can loop over it; `gather_outputs` puts the results back in
-the format's shapes. Slicing and gathers are differentiable, so autograd sees
-through them.
+its own for a format runs its dense kernels once per sequence through
+`per_sequence_forward` / `per_sequence_backward`; `gather_outputs` puts results
+back in the format's shapes. Slicing and gathers are differentiable, so the
+backward hands each sequence's gradients to autograd, which scatters them back
+into the packed tensors and page pools.
 """
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ from typing import Iterator, NamedTuple
 
 import torch
 
+from .empty import empty_attention
 from .errors import InvalidArgumentError
-from .inputs import Inputs
+from .inputs import Grads, Inputs
 from .problem import Problem
 
 
@@ -88,3 +91,67 @@ def gather_outputs(p: Problem, outs: list, lses: list, out: torch.Tensor, lse: t
     for b, (o, l) in enumerate(zip(outs, lses)):
         out[b:b + 1].copy_(o)
         lse[b:b + 1].copy_(l)
+
+
+def sequence_problem(p: Problem, seq: Sequence) -> Problem:
+    """The dense problem of one sequence (bottom-right alignment stays per sequence)."""
+    mask_free = dict(mask_kind=None, mask_shape=None, mask_requires_grad=False)
+    return p._replace(batch=1, seqlen_q=seq.q.shape[2], seqlen_k=seq.k.shape[2], layout="bhsd",
+                      q_format="dense", kv_format="dense", page_size=None, **mask_free)
+
+
+def _sequence_inputs(x: Inputs, seq: Sequence) -> Inputs:
+    return Inputs(seq.q, seq.k, seq.v, alibi_slopes=seq.alibi_slopes, sinks=x.sinks)
+
+
+def _rows(p: Problem, t: torch.Tensor, b: int, starts) -> torch.Tensor:
+    """Sequence b's rows of an output-shaped tensor: (1, H, Sq_b, ...)."""
+    if p.q_format == "varlen":
+        return t[starts[b]:starts[b + 1]].transpose(0, 1).unsqueeze(0)
+    return t[b:b + 1]
+
+
+def _lse_rows(p: Problem, lse: torch.Tensor, b: int, starts) -> torch.Tensor:
+    if p.q_format == "varlen":
+        return lse[:, starts[b]:starts[b + 1]].unsqueeze(0)
+    return lse[b:b + 1]
+
+
+def per_sequence_forward(p: Problem, x: Inputs, dense_forward, out: torch.Tensor, lse: torch.Tensor):
+    """Fill ``out``/``lse`` by running ``dense_forward(p_b, x_b) -> (out_b, lse_b)`` on each sequence."""
+    outs, lses = [], []
+    for seq in sequences(p, x):
+        p_b, x_b = sequence_problem(p, seq), _sequence_inputs(x, seq)
+        o, l = empty_attention(p_b, x_b) if p_b.is_empty else dense_forward(p_b, x_b)
+        outs.append(o)
+        lses.append(l)
+    gather_outputs(p, outs, lses, out, lse)
+    return out, lse
+
+
+def per_sequence_backward(p: Problem, x: Inputs, out, lse, dout, dense_backward) -> Grads:
+    """`Grads` of a non-dense problem from ``dense_backward(p_b, x_b, out_b, lse_b, dout_b)`` per sequence."""
+    leaves = {n: getattr(x, n).detach().requires_grad_() for n in ("q", "k", "v")}
+    starts = None
+    if p.q_format == "varlen":
+        starts = _offsets("cu_seqlens_q", x.cu_seqlens_q, x.q.shape[0])
+    views, grads, dsinks = [], [], None
+    with torch.enable_grad():
+        for seq in sequences(p, x.replace(**leaves)):
+            p_b = sequence_problem(p, seq)
+            if p_b.is_empty:
+                continue
+            detached = Sequence(seq.index, seq.q.detach(), seq.k.detach(), seq.v.detach(), seq.alibi_slopes)
+            b = seq.index
+            g = dense_backward(p_b, _sequence_inputs(x, detached), _rows(p, out, b, starts),
+                               _lse_rows(p, lse, b, starts), _rows(p, dout, b, starts))
+            views += [seq.q, seq.k, seq.v]
+            grads += [g.dq, g.dk, g.dv]
+            if g.dsinks is not None:
+                dsinks = g.dsinks if dsinks is None else dsinks + g.dsinks
+        if views:
+            torch.autograd.backward(views, grads)
+    found = {n: t.grad if t.grad is not None else torch.zeros_like(t) for n, t in leaves.items()}
+    if p.has_sinks and dsinks is None:
+        dsinks = torch.zeros_like(x.sinks, dtype=torch.float32)
+    return Grads(found["q"], found["k"], found["v"], None, dsinks)

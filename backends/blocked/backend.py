@@ -3,17 +3,22 @@
 Queries and keys are processed in tiles with an online softmax (forward) and an
 lse-based recomputation (backward), so memory grows with ``S * D``, never
 ``Sq * Sk``. Every feature of docs/semantics.md (explicit alignment offsets and
-attention sinks included) is supported on every dtype and head dim, for dense
-tensors; the varlen, cache and paged formats are declined (the default `formats`).
+attention sinks included) is supported on every dtype and head dim. The varlen,
+cache and paged formats run the same tiles one sequence at a time
+(`attnx.formats.per_sequence_forward`), so memory stays linear there too.
 """
 from __future__ import annotations
 
 import contextlib
 from typing import Optional
 
+import torch
+
+from attnx.autograd import alloc_out, lse_shape
 from attnx.backend import Backend
+from attnx.formats import per_sequence_backward, per_sequence_forward
 from attnx.inputs import Grads, Inputs
-from attnx.problem import Problem
+from attnx.problem import FORMAT_PAIRS, Problem
 
 from .backward import blocked_backward
 from .forward import blocked_forward
@@ -28,6 +33,7 @@ class BlockedBackend(Backend):
     deterministic = True
     supports_offset = True
     supports_sinks = True
+    formats = FORMAT_PAIRS
     # behind naive for small CPU problems (naive ranks itself 30 there), behind the GPU kernels
     priority = {"*": 20}
 
@@ -68,10 +74,15 @@ class BlockedBackend(Backend):
 
     # -- compute ------------------------------------------------------------------------
     def forward(self, p: Problem, x: Inputs):
-        return blocked_forward(p, x, self.tile_sizes(p))
+        if p.is_dense:
+            return blocked_forward(p, x, self.tile_sizes(p))
+        lse = torch.empty(lse_shape(p, x.q), dtype=torch.float32, device=x.q.device)
+        return per_sequence_forward(p, x, self.forward, alloc_out(p, x.q), lse)
 
     def backward(self, p: Problem, x: Inputs, out, lse, dout) -> Grads:
-        return blocked_backward(p, x, out, lse, dout, self.tile_sizes(p, backward=True))
+        if p.is_dense:
+            return blocked_backward(p, x, out, lse, dout, self.tile_sizes(p, backward=True))
+        return per_sequence_backward(p, x, out, lse, dout, self.backward)
 
 
 BACKEND = BlockedBackend()

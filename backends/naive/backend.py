@@ -5,7 +5,7 @@ import torch
 
 from attnx.autograd import alloc_out, lse_shape, sum_to_shape
 from attnx.backend import Backend
-from attnx.formats import gather_outputs, sequences
+from attnx.formats import per_sequence_forward
 from attnx.inputs import Grads, Inputs
 from attnx.problem import FORMAT_PAIRS
 from attnx.reference import attention_reference
@@ -25,20 +25,13 @@ def _formula(p, q, k, v, mask, alibi_slopes, sinks):
 
 def _attend(p, x: Inputs):
     """``(out, lse)`` in the backend's shapes, differentiable by torch autograd."""
-    if p.is_dense:
-        out, lse = _formula(p, x.q, x.k, x.v, x.mask, x.alibi_slopes, x.sinks)
-        result = alloc_out(p, x.q)
-        result.copy_(out)
-        return result, lse.float()
-    outs, lses = [], []
-    for seq in sequences(p, x):
-        out, lse = _formula(p, seq.q, seq.k, seq.v, None, seq.alibi_slopes, x.sinks)
-        outs.append(out)
-        lses.append(lse.float())
+    if not p.is_dense:
+        lse = x.q.new_empty(lse_shape(p, x.q), dtype=torch.float32)
+        return per_sequence_forward(p, x, _attend, alloc_out(p, x.q), lse)
+    out, lse = _formula(p, x.q, x.k, x.v, x.mask, x.alibi_slopes, x.sinks)
     result = alloc_out(p, x.q)
-    lse = x.q.new_empty(lse_shape(p, x.q), dtype=torch.float32)
-    gather_outputs(p, outs, lses, result, lse)
-    return result, lse
+    result.copy_(out)
+    return result, lse.float()
 
 
 class NaiveBackend(Backend):
