@@ -2,7 +2,8 @@
 
 Backends say what they accept (`Backend.reasons`) and where they stand
 (`Backend.rank`, from their `priority` tables); this module only orders them and
-caches the decision on the problem's dispatch key (`Problem.bucketed`).
+caches the decision on the problem's dispatch key (`Problem.bucketed`), with the
+exact signature as a first, cheaper key (a hash, no rounding).
 """
 from __future__ import annotations
 
@@ -56,9 +57,14 @@ def decide(p: Problem, forced: Optional[str] = None) -> Decision:
 def choose(p: Problem, forced: Optional[str] = None):
     """The backend object that runs `p`; raises NoBackendError listing every reason."""
     allowed = (forced,) if forced is not None else allowed_backends()
-    key = (p.bucketed(), allowed, registry.generation())
+    generation = registry.generation()
+    backend = _cache.get((p, allowed, generation))  # this exact signature decided before
+    if backend is not None:
+        return backend
+    key = (p.bucketed(), allowed, generation)
     backend = _cache.get(key)
     if backend is not None:
+        _remember((p, allowed, generation), backend)
         return backend
     if forced is not None:
         registry.get_backend(forced)  # unknown names raise
@@ -75,10 +81,16 @@ def choose(p: Problem, forced: Optional[str] = None):
         else:
             message = "no registered backend accepts this problem"
         raise NoBackendError(message, declined)
+    backend = registry.get_backend(chosen)
+    _remember(key, backend)
+    _remember((p, allowed, generation), backend)
+    return backend
+
+
+def _remember(key, backend) -> None:
     if len(_cache) >= _CACHE_LIMIT:
         _cache.clear()
-    backend = _cache[key] = registry.get_backend(chosen)
-    return backend
+    _cache[key] = backend
 
 
 def clear_cache() -> None:

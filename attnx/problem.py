@@ -113,7 +113,8 @@ class Problem(NamedTuple):
             window_right = _window_side("right", window[1])
         if causal:
             window_right = 0 if window_right is None else min(window_right, 0)
-        offset = _offset(offset, seqlen_q, seqlen_k, q_format, kv_format)
+        if offset is not None:
+            offset = _offset(offset, seqlen_q, seqlen_k, q_format, kv_format)
         if scale is None:
             scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
         else:
@@ -123,7 +124,7 @@ class Problem(NamedTuple):
             if softcap <= 0:
                 raise InvalidArgumentError(f"`softcap` must be a finite float > 0 or None, got {softcap}")
         if deterministic is None:
-            deterministic = torch.are_deterministic_algorithms_enabled()
+            deterministic = needs_grad and torch.are_deterministic_algorithms_enabled()
         return cls(device_type=device_type, vendor=vendor, arch=arch, dtype=dtype, batch=batch, heads_q=heads_q,
                    heads_kv=heads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim,
                    head_dim_v=head_dim_v, layout=layout, causal=causal, window_left=window_left,
@@ -190,6 +191,8 @@ class Problem(NamedTuple):
 
 # -- scalar options ---------------------------------------------------------------------
 def _device_fields(device, vendor, arch) -> tuple[str, str, str]:
+    if vendor is not None and arch is not None and isinstance(device, torch.device):
+        return device.type, vendor, arch  # the hot path: make_call knows all three
     device = torch.device("cpu" if device is None else device)
     if vendor is None or arch is None:
         found_vendor, found_arch = device_arch(device)
@@ -400,12 +403,16 @@ def _check_vector(name: str, t, shapes: tuple, device, what: str) -> None:
         raise InvalidArgumentError(f"`{name}` must be on {device}, got {t.device}")
 
 
+_NO_GRADS = frozenset()
+
+
 def grad_names(x: Inputs) -> frozenset:
     """Names of the inputs autograd needs gradients for (none while grad mode is off)."""
     if not torch.is_grad_enabled():
-        return frozenset()
-    return frozenset(name for name in Inputs.DIFFERENTIABLE
-                     if (t := getattr(x, name)) is not None and t.is_floating_point() and t.requires_grad)
+        return _NO_GRADS
+    names = [name for name in Inputs.DIFFERENTIABLE
+             if (t := getattr(x, name)) is not None and t.requires_grad and t.is_floating_point()]
+    return frozenset(names) if names else _NO_GRADS
 
 
 def make_call(q, k, v, *, causal=False, window=None, offset=None, mask=None, scale=None, softcap=None,
@@ -439,7 +446,9 @@ def make_call(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
     mask_grad = mask_kind == "additive" and "mask" in wanted
     vendor, arch = device_arch(device)
     p = Problem.create(
-        device=device, vendor=vendor, arch=arch, dtype=q.dtype, **sizes._asdict(), layout=layout, causal=causal,
+        device=device, vendor=vendor, arch=arch, dtype=q.dtype, batch=sizes.batch, heads_q=sizes.heads_q,
+        heads_kv=sizes.heads_kv, seqlen_q=sizes.seqlen_q, seqlen_k=sizes.seqlen_k, head_dim=sizes.head_dim,
+        head_dim_v=sizes.head_dim_v, page_size=sizes.page_size, layout=layout, causal=causal,
         window=window, offset=offset, mask_kind=mask_kind, mask_shape=mask_shape, mask_requires_grad=mask_grad,
         alibi=alibi_slopes is not None, sinks=sinks is not None, softcap=softcap, scale=scale,
         needs_grad=bool(wanted), q_format=q_format, kv_format=kv_format)
