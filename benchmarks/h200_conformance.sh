@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # One device call: full-profile conformance reports of every GPU-capable backend on the H200,
 # and the doctor's report. Usage on the device machine: bash benchmarks/h200_conformance.sh "$OUT"
+# Reports come back as one archive (the device tool returns at most 8 files).
 set -uo pipefail
 out=${1:?usage: h200_conformance.sh OUTDIR}
 day=$(date -u +%F)
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-build-isolation --no-deps -e . > "$out/install.log" 2>&1
+mkdir -p "$out/reports" "$out/logs"
+python3 -m pip install -q --no-build-isolation --no-deps -e . > "$out/logs/install.log" 2>&1
+nvidia-smi --query-gpu=name,driver_version --format=csv > "$out/logs/gpu.txt" 2>&1
 # compile every kernel variant in parallel first (both caches are on disk), then one report per backend
-timeout 170 python3 -m pytest -q conformance --backend triton,cuda --profile full --device cuda -n 12 \
-    > "$out/pytest.log" 2>&1
+timeout 200 python3 -m pytest -q -p no:cacheprovider conformance --backend triton,cuda --profile full \
+    --device cuda -n 12 > "$out/logs/pytest.log" 2>&1
 for backend in triton cuda blocked; do
-    timeout 70 python3 -m attnx.conformance --backend $backend --profile full --device cuda -q \
-        --report "$out/$backend-h200-$day" > "$out/$backend.log" 2>&1
+    timeout 100 python3 -m attnx.conformance --backend $backend --profile full --device cuda -q \
+        --report "$out/reports/$backend-h200-$day" > "$out/logs/$backend.log" 2>&1
 done
-timeout 40 python3 -m attnx.doctor > "$out/doctor.txt" 2>&1
-tar -C "$out" -czf "$out/logs.tgz" pytest.log install.log triton.log cuda.log blocked.log && \
-    rm "$out"/{pytest,install,triton,cuda,blocked}.log
-tail -2 "$out/doctor.txt"; grep -h "cases," "$out"/*.md 2>/dev/null | head; tar -xzOf "$out/logs.tgz" pytest.log | tail -3
+timeout 40 python3 -m attnx.doctor > "$out/logs/doctor.txt" 2>&1
+tar -C "$out" -czf "$out/conformance.tgz" reports logs && rm -rf "$out/reports" "$out/logs"
+tar -xzOf "$out/conformance.tgz" logs/pytest.log | tail -4
+for b in triton cuda blocked; do tar -xzOf "$out/conformance.tgz" logs/$b.log | tail -3; done
