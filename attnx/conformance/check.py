@@ -36,6 +36,7 @@ class Result:
     bounds: dict = field(default_factory=dict)      # quantity -> bound
     naive_low: dict = field(default_factory=dict)   # quantity -> error of the formula computed in the low dtype
     naive_acc32: dict = field(default_factory=dict)  # quantity -> error of the naive backend (float32 accumulation)
+    magnitudes: dict = field(default_factory=dict)  # quantity -> max |finite reference value|
     scale: Optional[float] = None
     seconds: float = 0.0
 
@@ -59,6 +60,7 @@ class Result:
                 "bounds": {k: num(v) for k, v in self.bounds.items()},
                 "naive_low_errors": {k: num(v) for k, v in self.naive_low.items()},
                 "naive_acc32_errors": {k: num(v) for k, v in self.naive_acc32.items()},
+                "magnitudes": {k: num(v) for k, v in self.magnitudes.items()},
                 "scale": self.scale, "seconds": round(self.seconds, 4)}
 
 
@@ -98,7 +100,7 @@ def _formula(case: Case, inputs: Inputs, views: dict, scale: float, compute_dtyp
                 o, l = _reference(case, q, k, v, None, alibi, views.get("sinks"), scale, compute_dtype)
                 outs.append(o)
                 lses.append(l)
-            out, lse = formats.pack_outputs(case, outs, lses)
+            out, lse = formats.pack_outputs(case, outs, lses, views)
         grads = {}
         if dout is not None:
             out.backward(dout.to(out.dtype))
@@ -218,6 +220,8 @@ def _run(result: Result, backend_name: str, case: Case, device, allow_extra_decl
             result.fail(f"{name} missing (no gradient reached the input)")
             continue
         result.errors[name] = err = max_abs_error(got, ref)
+        finite = ref[torch.isfinite(ref)]
+        result.magnitudes[name] = float(finite.abs().max()) if finite.numel() else 0.0
         result.bounds[name] = b = bound(name, case.torch_dtype, backend, ref, low.get(name))
         if not err <= b:
             result.fail(f"{name} error {err:.3g} > bound {b:.3g}")

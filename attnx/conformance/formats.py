@@ -26,16 +26,20 @@ class Packing:
 
 
 def plan_packing(case: Case, gen: torch.Generator) -> Packing:
-    """Three sequences: full length; no queries (varlen) or a short cache; keys that see nothing."""
+    """Three sequences: full length; no queries (varlen) or a short cache; keys that see nothing.
+
+    A case with fewer than three sequences keeps the first ``batch`` of them; every sequence
+    of a zero-length case (``seqlen_q`` or ``seqlen_k`` 0) is empty on that side.
+    """
     def draw(upper: int) -> int:
-        return int(torch.randint(1, max(upper, 1) + 1, (1,), generator=gen))
+        return int(torch.randint(min(1, upper), max(upper, 0) + 1, (1,), generator=gen))
 
     sq, sk = case.seqlen_q, case.seqlen_k
     if case.q_format == "varlen":
-        q_lengths = [sq, 0, draw(sq)] + [draw(sq) for _ in range(case.batch - 3)]
+        q_lengths = ([sq, 0, draw(sq)] + [draw(sq) for _ in range(case.batch - 3)])[:case.batch]
     else:
         q_lengths = [sq] * case.batch
-    k_lengths = [sk, draw(sk), 0] + [draw(sk) for _ in range(case.batch - 3)]
+    k_lengths = ([sk, draw(sk), 0] + [draw(sk) for _ in range(case.batch - 3)])[:case.batch]
     pages = None
     if case.kv_format == "paged":
         need = [math.ceil(n / case.page_size) for n in k_lengths]
@@ -131,8 +135,20 @@ def unpack(case: Case, packing: Packing, views: dict) -> list:
     return sequences
 
 
-def pack_outputs(case: Case, outs: list, lses: list) -> tuple:
-    """Per-sequence ``(1, Hq, Sq_b, Dv)`` outputs and ``(1, Hq, Sq_b)`` lses in the format's shapes."""
+def pack_outputs(case: Case, outs: list, lses: list, views: Optional[dict] = None) -> tuple:
+    """Per-sequence ``(1, Hq, Sq_b, Dv)`` outputs and ``(1, Hq, Sq_b)`` lses in the format's shapes.
+
+    With no sequence at all (``batch`` 0) the outputs are empty tensors like ``views["q"]``, joined
+    to every view's graph by a zero so that gradients (all zero) reach the inputs.
+    """
+    if not outs and views is not None:
+        q = views["q"]
+        hq, dv, sq = case.heads_q, case.head_dim_v, case.seqlen_q
+        shape = ((0, hq, dv) if case.q_format == "varlen" else (0, sq, hq, dv) if case.layout == "bshd"
+                 else (0, hq, sq, dv))
+        zero = sum(t.sum() for t in views.values() if t.is_floating_point()) * 0
+        lse = q.new_zeros((hq, 0) if case.q_format == "varlen" else (0, hq, sq))
+        return q.new_zeros(shape) + zero, lse
     if case.q_format == "varlen":
         return (torch.cat([o[0].transpose(0, 1) for o in outs], dim=0), torch.cat([l[0] for l in lses], dim=-1))
     out, lse = torch.cat(outs, dim=0), torch.cat(lses, dim=0)
