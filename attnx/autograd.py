@@ -59,7 +59,7 @@ def backend_view(p: Problem, x: Inputs) -> Inputs:
         changes["mask"] = x.mask.reshape(p.mask_shape).expand(p.batch, p.heads_q, p.seqlen_q, p.seqlen_k)
     if x.alibi_slopes is not None:
         slopes = x.alibi_slopes
-        changes["alibi_slopes"] = slopes.reshape(-1 if slopes.dim() == 2 else 1, p.heads_q).expand(p.batch, p.heads_q)
+        changes["alibi_slopes"] = slopes.reshape(slopes.shape[0] if slopes.dim() == 2 else 1, p.heads_q).expand(p.batch, p.heads_q)
     return x.replace(**changes) if changes else x
 
 

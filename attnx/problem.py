@@ -166,8 +166,10 @@ class Problem(NamedTuple):
 
     @property
     def is_empty(self) -> bool:
-        """A dense problem with a zero-size dimension: its result needs no kernel."""
-        return self.is_dense and 0 in (self.batch, self.heads_q, self.seqlen_q, self.seqlen_k)
+        """No sequence, no head, or (dense) no query or key: the result needs no kernel."""
+        if self.batch == 0 or self.heads_q == 0:
+            return True
+        return self.is_dense and (self.seqlen_q == 0 or self.seqlen_k == 0)
 
     @property
     def device_classes(self) -> tuple[str, ...]:

@@ -42,7 +42,7 @@ def alibi_bias(alibi_slopes: torch.Tensor, seqlen_q: int, seqlen_k: int, dtype,
     pos = torch.arange(seqlen_q, device=device, dtype=dtype)[:, None] + aligned_offset(seqlen_q, seqlen_k, offset)
     key = torch.arange(seqlen_k, device=device, dtype=dtype)[None, :]
     slopes = alibi_slopes.to(dtype)
-    slopes = slopes.reshape(-1 if slopes.dim() == 2 else 1, slopes.shape[-1], 1, 1)
+    slopes = slopes.reshape(slopes.shape[0] if slopes.dim() == 2 else 1, slopes.shape[-1], 1, 1)
     return -slopes * (pos - key).abs()
 
 

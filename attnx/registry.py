@@ -8,22 +8,27 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import threading
 
 from .backend import Backend
 from .errors import InvalidArgumentError, InvalidTypeError
 
 _backends: dict[str, Backend] = {}
 _loaded = False
+_load_lock = threading.Lock()  # threads making their first call at once must all see the built-ins
 # bumped on every change, so cached dispatch decisions made under another registry are never reused
 _generation = 0
 
 
 def _ensure_builtins() -> None:
     global _loaded
-    if not _loaded:
-        _loaded = True
-        for backend in importlib.import_module("attnx.backends").builtin_backends():
-            _backends.setdefault(backend.name, backend)
+    if _loaded:
+        return
+    with _load_lock:
+        if not _loaded:
+            for backend in importlib.import_module("attnx.backends").builtin_backends():
+                _backends.setdefault(backend.name, backend)
+            _loaded = True
 
 
 def generation() -> int:

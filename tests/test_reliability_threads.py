@@ -177,10 +177,8 @@ _COLD_START = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="attnx/registry.py: _ensure_builtins sets _loaded before the built-in "
-                                       "backends are registered, so threads racing the first call see an empty "
-                                       "registry (NoBackendError); docs/reliability.md, defect R1")
 def test_eight_threads_on_a_cold_start():
+    """R1 (fixed): threads racing the first call all see the built-in backends."""
     for _ in range(3):  # a race: give it three fresh processes
         proc = subprocess.run([sys.executable, "-c", _COLD_START], cwd=ROOT, capture_output=True, text=True,
                               timeout=300)

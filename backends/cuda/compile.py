@@ -13,9 +13,11 @@ this process (a compile, or a disk-cache hit).
 from __future__ import annotations
 
 import functools
+import os
 import re
 import threading
 import time
+import warnings
 from pathlib import Path
 
 from .variants import Variant
@@ -61,14 +63,36 @@ def get_kernel(variant: Variant, arch: str, device_index: int):
         if kernel is None:
             start = time.perf_counter()
             with cupy.cuda.Device(device_index):
-                module = cupy.RawModule(code=kernel_source(variant.source), options=nvrtc_options(variant, arch))
-                kernel = module.get_function(variant.function)
+                kernel = _compile(cupy, variant, arch)
                 smem = variant.shared_bytes()
                 if smem > 48 * 1024:
                     kernel.max_dynamic_shared_size_bytes = smem
             _times[key] = time.perf_counter() - start
             _modules[key] = kernel
     return kernel
+
+
+def _compile(cupy, variant: Variant, arch: str):
+    """Compile (or load from CuPy's disk cache); an unwritable cache compiles in memory, with a warning."""
+    def build():
+        module = cupy.RawModule(code=kernel_source(variant.source), options=nvrtc_options(variant, arch))
+        return module.get_function(variant.function)  # CuPy compiles here, lazily
+
+    try:
+        return build()
+    except OSError as err:  # PermissionError, read-only file system, disk full: the cache, not the kernel
+        warnings.warn(f"CuPy's kernel cache cannot be written ({err}); compiling {variant.label()} in memory "
+                      f"(set CUPY_CACHE_DIR to a writable folder to keep compiled kernels)", RuntimeWarning,
+                      stacklevel=3)
+        previous = os.environ.get("CUPY_CACHE_IN_MEMORY")
+        os.environ["CUPY_CACHE_IN_MEMORY"] = "1"
+        try:
+            return build()
+        finally:
+            if previous is None:
+                del os.environ["CUPY_CACHE_IN_MEMORY"]
+            else:
+                os.environ["CUPY_CACHE_IN_MEMORY"] = previous
 
 
 def compile_time_report() -> list[dict]:
