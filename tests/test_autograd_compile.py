@@ -133,8 +133,12 @@ class _TinyAttention(torch.nn.Module):
 @pytest.mark.parametrize("bias, backend", [(False, None), (True, BACKENDS[-1])], ids=["dispatch", "mask-grad-forced"])
 def test_torch_compile_fullgraph_forward_backward(bias, backend):
     torch.manual_seed(0)
-    model = _TinyAttention(bias=bias, backend=backend)
-    x = torch.randn(2, 10, 16)
+    _assert_compiled_training_matches_eager(_TinyAttention(bias=bias, backend=backend), torch.randn(2, 10, 16),
+                                            grad_tol=1e-5)
+
+
+def _assert_compiled_training_matches_eager(model: torch.nn.Module, x: torch.Tensor, grad_tol: float) -> None:
+    """torch.compile(fullgraph=True) forward and backward give eager's output and parameter gradients."""
     model(x).square().sum().backward()
     eager = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -144,7 +148,8 @@ def test_torch_compile_fullgraph_forward_backward(bias, backend):
     out.square().sum().backward()
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
     for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad, eager[name], atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(param.grad, eager[name], atol=grad_tol, rtol=grad_tol,
+                                   msg=lambda m: f"{name}: {m}")
 
 
 def _projected(x: torch.Tensor, heads: int, kind: str):
@@ -181,15 +186,5 @@ def test_torch_compile_training_over_stride_kinds(kind, extras):
     """Compiled forward+backward matches eager for every way model code lays out q, k, v (the fake
     gradients must have the real op's strides, or the compiled backward fails)."""
     torch.manual_seed(0)
-    model = _ViewAttention(kind, extras=dict(extras))
-    x = torch.randn(2, 9, 24)
-    model(x).square().sum().backward()
-    eager = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    torch._dynamo.reset()
-    compiled = torch.compile(model, fullgraph=True)
-    out = compiled(x)
-    out.square().sum().backward()
-    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad, eager[name], atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    _assert_compiled_training_matches_eager(_ViewAttention(kind, extras=dict(extras)), torch.randn(2, 9, 24),
+                                            grad_tol=1e-4)
