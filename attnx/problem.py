@@ -412,8 +412,11 @@ def grad_names(x: Inputs) -> frozenset:
     """Names of the inputs autograd needs gradients for (none while grad mode is off)."""
     if not torch.is_grad_enabled():
         return _NO_GRADS
-    names = [name for name in Inputs.DIFFERENTIABLE
-             if (t := getattr(x, name)) is not None and t.requires_grad and t.is_floating_point()]
+    names = []
+    for name in Inputs.DIFFERENTIABLE:  # a plain loop: torch.compile traces this function
+        t = getattr(x, name)
+        if t is not None and t.requires_grad and t.is_floating_point():
+            names.append(name)
     return frozenset(names) if names else _NO_GRADS
 
 
