@@ -7,7 +7,7 @@ are imported only when it runs.
 import importlib
 
 # Module names, best first is the dispatcher's business (attnx/dispatch.py), not this list's.
-BUILTIN = ("naive", "blocked", "triton", "cuda")
+BUILTIN = ("naive", "blocked", "triton", "cuda", "torch")
 
 
 def builtin_backends():

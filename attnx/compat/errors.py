@@ -1,0 +1,13 @@
+"""The error the compatibility entry points raise where torch or flash-attn raise a RuntimeError."""
+from __future__ import annotations
+
+from ..errors import InvalidArgumentError
+
+
+class CompatArgumentError(InvalidArgumentError, RuntimeError):
+    """An argument the mirrored API rejects (torch's SDPA raises RuntimeError for these).
+
+    Both an `attnx.InvalidArgumentError` (a ValueError) and a ``RuntimeError``, so code
+    written against torch (``except RuntimeError``) and code written against attnx both
+    catch it.
+    """

@@ -1,0 +1,119 @@
+"""``flash_attn_with_kvcache``: decoding over a dense or paged KV cache, new keys appended in place first."""
+from __future__ import annotations
+
+import operator
+from typing import Optional, Union
+
+import torch
+
+from ..api import attention
+from ..errors import InvalidArgumentError, InvalidTypeError
+from .errors import CompatArgumentError
+from .flash_attn_args import options
+
+
+def _cache_lengths(cache_seqlens, batch: int, device) -> Optional[torch.Tensor]:
+    """int32 ``(batch,)`` lengths from flash-attn's int-or-tensor ``cache_seqlens`` (None stays None)."""
+    if cache_seqlens is None:
+        return None
+    if isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens.dtype not in (torch.int32, torch.int64) or cache_seqlens.shape != (batch,):
+            raise InvalidArgumentError(f"`cache_seqlens` must be an int or an int32 tensor of shape ({batch},), got "
+                                       f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
+        return cache_seqlens.to(device=device, dtype=torch.int32)
+    try:
+        length = operator.index(cache_seqlens)
+    except TypeError:
+        raise InvalidTypeError(f"`cache_seqlens` must be an int or a tensor, got {cache_seqlens!r}") from None
+    return torch.full((batch,), length, dtype=torch.int32, device=device)
+
+
+def _slots(lengths: torch.Tensor, new: int, capacity: int) -> torch.Tensor:
+    """Cache positions ``(batch, new)`` the new keys go to; every one must lie inside the cache."""
+    slots = lengths.long()[:, None] + torch.arange(new, device=lengths.device)
+    if slots.numel() and (int(lengths.min()) < 0 or int(slots.max()) >= capacity):
+        raise InvalidArgumentError(f"the new keys (cache_seqlens + {new}) do not fit in the cache of {capacity} "
+                                   f"positions per sequence: cache_seqlens = {lengths.tolist()}")
+    return slots
+
+
+def _append(k_cache, v_cache, k, v, lengths, block_table, cache_batch_idx) -> None:
+    """Write ``k``/``v`` ``(batch, new, Hkv, d)`` into the caches at ``lengths[b] + i``, in place."""
+    batch, new = k.shape[:2]
+    if block_table is None:
+        rows = (torch.arange(batch, device=k.device) if cache_batch_idx is None else cache_batch_idx.long())
+        slots = _slots(lengths, new, k_cache.shape[1])
+        index = (rows[:, None].expand(batch, new), slots)
+    else:
+        page_size = k_cache.shape[1]
+        slots = _slots(lengths, new, block_table.shape[1] * page_size)
+        pages = torch.gather(block_table.long(), 1, slots // page_size)
+        index = (pages, slots % page_size)
+    k_cache[index] = k.to(k_cache.dtype)
+    v_cache[index] = v.to(v_cache.dtype)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens: Optional[Union[int, torch.Tensor]] = None,
+                            cache_batch_idx: Optional[torch.Tensor] = None,
+                            cache_leftpad: Optional[torch.Tensor] = None,
+                            block_table: Optional[torch.Tensor] = None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
+                            num_splits=0, return_softmax_lse=False):
+    """``flash_attn.flash_attn_with_kvcache``: attention of new queries over a KV cache.
+
+    Args (as flash-attn's):
+        q: ``(batch, seqlen_q, nheads, d)``.
+        k_cache, v_cache: ``(batch_cache, seqlen_cache, nheads_k, d)``, or page pools
+            ``(num_blocks, block_size, nheads_k, d)`` with ``block_table`` int32 ``(batch, max_blocks)``.
+        k, v: optional ``(batch, seqlen_new, nheads_k, d)``: written into the caches *in place* at
+            positions ``cache_seqlens[b] + i`` before attending (the caches must have room).
+        cache_seqlens: int or int32 ``(batch,)``: keys already in the cache (None: the whole cache).
+            Sequence ``b`` attends to its first ``cache_seqlens[b] + seqlen_new`` keys.
+        cache_batch_idx: int32 ``(batch,)``: which cache row each sequence uses (dense caches).
+        causal, window_size, softcap, alibi_slopes, softmax_scale: as `flash_attn_func`, aligned
+            bottom-right per sequence.
+        num_splits: accepted and ignored (attnx's dispatcher picks the kernel).
+        return_softmax_lse: also return lse, float32 ``(batch, nheads, seqlen_q)``.
+
+    Not supported (a clear error): rotary embedding (``rotary_cos``/``rotary_sin``: apply it to
+    q and k first) and ``cache_leftpad``.
+
+    Equivalent PyTorch (dense cache, every sequence of length ``n = cache_seqlens + seqlen_new``)::
+
+        k_cache[:, cache_seqlens:n] = k; v_cache[:, cache_seqlens:n] = v
+        out = flash_attn_func(q, k_cache[:, :n], v_cache[:, :n], causal=causal)
+    """
+    if rotary_cos is not None or rotary_sin is not None:
+        raise CompatArgumentError("flash_attn_with_kvcache: rotary embedding (rotary_cos/rotary_sin) is not "
+                                  "supported by attnx; apply it to q and k before the call")
+    if cache_leftpad is not None:
+        raise CompatArgumentError("flash_attn_with_kvcache: cache_leftpad is not supported by attnx")
+    if (k is None) != (v is None):
+        raise InvalidArgumentError("flash_attn_with_kvcache: give both `k` and `v`, or neither")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise InvalidTypeError(f"flash_attn_with_kvcache: `num_splits` must be an int >= 0, got {num_splits!r}")
+    if block_table is not None and cache_batch_idx is not None:
+        raise CompatArgumentError("flash_attn_with_kvcache: cache_batch_idx is not supported with a paged cache")
+    opts = options("flash_attn_with_kvcache", dropout_p=0.0, softmax_scale=softmax_scale, causal=causal,
+                   window_size=window_size, softcap_value=softcap, alibi_slopes=alibi_slopes)
+    opts["layout"] = "bshd"
+    batch = q.shape[0]
+    lengths = _cache_lengths(cache_seqlens, batch, q.device)
+    if k is not None:
+        if lengths is None:
+            raise InvalidArgumentError("flash_attn_with_kvcache: `cache_seqlens` says where the new `k`/`v` go")
+        with torch.no_grad():
+            _append(k_cache, v_cache, k, v, lengths, block_table, cache_batch_idx)
+        lengths = lengths + k.shape[1]
+    if block_table is not None:
+        if lengths is None:
+            lengths = torch.full((batch,), block_table.shape[1] * k_cache.shape[1], dtype=torch.int32, device=q.device)
+        opts.update(seqlens_k=lengths, page_table=block_table)
+    else:
+        if cache_batch_idx is not None:
+            k_cache, v_cache = k_cache[cache_batch_idx.long()], v_cache[cache_batch_idx.long()]
+        if lengths is not None:
+            opts["seqlens_k"] = lengths
+    out, lse = attention(q, k_cache, v_cache, **opts, return_lse=True)
+    return (out, lse) if return_softmax_lse else out

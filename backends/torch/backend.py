@@ -1,0 +1,92 @@
+"""torch: torch's own fused attention kernels, for the problems they compute exactly as attnx does.
+
+On the CPU: the flash kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``): every
+float dtype and head dim, GQA, bool/additive masks, causal, windows and explicit offsets
+(rules ``is_causal`` cannot say become an additive mask; see ``masks.py``). On NVIDIA GPUs:
+cuDNN and FlashAttention-2 for fp16/bf16 without a mask tensor (``cuda.py``). The lse comes
+from the ops themselves (they return logsumexp); the backward calls their backward ops.
+Declined: softcap, ALiBi, sinks, mask gradients, ``Dv != D``, the varlen/cache/paged formats.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attnx.backend import Backend
+from attnx.inputs import Grads, Inputs
+from attnx.problem import Problem, length_bucket
+
+from . import cpu, cuda
+from .masks import needs_mask_tensor, needs_positional_mask
+
+# An additive mask the kernel would need that is larger than this (elements) is declined:
+# 2**28 float32 values are 1 GiB, and blocked computes the same without one.
+MAX_MASK_ELEMENTS = 1 << 28
+
+
+def mask_elements(p: Problem) -> int:
+    """Elements of the additive mask the CPU kernel would get (on power-of-two length buckets)."""
+    lead = math.prod(p.mask_shape[:2]) if p.mask_shape else 1
+    return lead * length_bucket(p.seqlen_q) * length_bucket(p.seqlen_k)
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    description = ("torch's fused SDPA kernels: the CPU flash kernel (any dtype, GQA, masks, windows via an "
+                   "additive mask); cuDNN/FlashAttention-2 on NVIDIA GPUs (fp16/bf16, no mask tensor); lse "
+                   "from the aten ops that return it")
+    device_types = frozenset({"cpu", "cuda"})
+    min_capability = (8, 0)
+    supports_dv_differs = False
+    supports_mask_grad = False
+    supports_alibi = False
+    supports_softcap = False
+    supports_offset = True
+    deterministic = True   # the CPU kernel; CUDA declines deterministic problems in extra_reasons
+    # CPU: ahead of blocked (20) and naive (30 for small problems) where measured faster
+    # (benchmarks/results/cpu-2026-12-01); CUDA: behind triton and cuda, ahead of blocked,
+    # except where cuDNN was measured fastest on the H200 (`rank`).
+    priority = {"cpu": 40, "cuda": 50}
+
+    def environment_reasons(self) -> list[str]:
+        if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+            return [f"torch {torch.__version__} lacks aten::_scaled_dot_product_flash_attention_for_cpu"]
+        return []
+
+    def extra_reasons(self, p: Problem) -> list[str]:
+        """CUDA: fp16/bf16, D % 8 == 0 and <= 256, no mask, causal only if Sq == Sk; CPU: masks up to 2**28 values.
+
+        On CPUs a mask the kernel would need (windows, offsets, bool masks) is built in the
+        accumulation dtype; one above 2**28 elements (1 GiB in float32) is declined.
+        """
+        if p.device_type == "cuda":
+            return cuda.cuda_reasons(p)
+        if needs_mask_tensor(p) and mask_elements(p) > MAX_MASK_ELEMENTS:
+            return [f"would build an additive mask of {mask_elements(p)} elements (more than 2**28); "
+                    "blocked needs none"]
+        return []
+
+    def rank(self, p: Problem) -> int:
+        """95 on sm_90 where cuDNN was measured fastest; 15 on CPUs where a window or offset needs a mask.
+
+        95 is just above triton's 90 (H200: cuDNN 1.3-1.7x triton, MHA, D 64/128, S >= 512). On CPUs
+        blocked (20) skips the hidden tiles instead of masking them: 1.5-5x faster there.
+        """
+        if p.device_type == "cuda" and cuda.cudnn_wins(p):
+            return 95
+        if p.device_type == "cpu" and needs_positional_mask(p):
+            return 15
+        return super().rank(p)
+
+    def forward(self, p: Problem, x: Inputs):
+        return (cuda if p.device_type == "cuda" else cpu).forward(p, x)
+
+    def backward(self, p: Problem, x: Inputs, out, lse, dout) -> Grads:
+        return (cuda if p.device_type == "cuda" else cpu).backward(p, x, out, lse, dout)
+
+    def doctor_details(self) -> dict:
+        return {"torch": torch.__version__}
+
+
+BACKEND = TorchBackend()

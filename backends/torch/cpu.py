@@ -1,0 +1,73 @@
+"""The CPU flash kernel: ``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward.
+
+The op returns ``(out, logsumexp)``; its logsumexp is the contract's ``lse`` for every row
+that sees a key (float32 for fp16/bf16/float32 inputs, float64 for float64). It handles
+GQA itself (k/v with fewer heads) and reads any strides whose last dimension is contiguous.
+Where the contract and the kernel differ, this module adjusts:
+
+* a row that sees no key: the kernel gives ``out = 0`` and ``lse = 0``; the contract
+  ``lse = -inf`` (the backward gets 0 back, so such rows get zero gradients);
+* float64: the contract's ``lse`` is float32, too coarse for a float64 backward, so the
+  backward asks the kernel for the float64 one again (one more forward);
+* non-finite ``q``/``k`` behind a hiding mask: `nonfinite` recomputes those batch entries.
+"""
+from __future__ import annotations
+
+import torch
+
+from attnx.autograd import alloc_out
+from attnx.inputs import Grads, Inputs
+from attnx.problem import Problem
+
+from . import nonfinite
+from .masks import KernelMask, dead_rows, kernel_mask
+
+NEG_INF = float("-inf")
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _operands(x: Inputs):
+    return tuple(_last_dim_contiguous(t) for t in (x.q, x.k, x.v))
+
+
+def _kernel_forward(p: Problem, q, k, v, km: KernelMask):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, km.is_causal, attn_mask=km.mask, scale=p.scale)
+
+
+def forward(p: Problem, x: Inputs):
+    q, k, v = _operands(x)
+    km = kernel_mask(p, x.mask, q.device)
+    out_k, lse_k = _kernel_forward(p, q, k, v, km)
+    out = alloc_out(p, x.q)
+    out.copy_(out_k)
+    lse = lse_k.to(torch.float32, copy=True)
+    dead = dead_rows(km, p.seqlen_q)
+    if dead is not None:
+        # the kernel's lse is 0 there (out is already 0); a NaN row stays NaN
+        lse.masked_fill_(dead & ~torch.isnan(lse), NEG_INF)
+    if km.hides:
+        batches = nonfinite.bad_batches(q, k)
+        if batches:
+            nonfinite.fix_forward(p, x, out, lse, batches)
+    return out, lse
+
+
+def backward(p: Problem, x: Inputs, out, lse, dout) -> Grads:
+    q, k, v = _operands(x)
+    km = kernel_mask(p, x.mask, q.device)
+    if p.dtype == torch.float64:
+        lse = _kernel_forward(p, q, k, v, km)[1]
+    else:
+        lse = lse.masked_fill(lse == NEG_INF, 0.0)  # what the kernel wrote for rows that see no key
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        _last_dim_contiguous(dout), q, k, v, _last_dim_contiguous(out), lse, 0.0, km.is_causal,
+        attn_mask=km.mask, scale=p.scale)
+    if km.hides:
+        batches = nonfinite.bad_batches(q, k)
+        if batches:
+            nonfinite.fix_backward(p, x, dout, (dq, dk, dv), batches)
+    return Grads(dq, dk, dv)

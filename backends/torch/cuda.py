@@ -1,0 +1,105 @@
+"""torch's fused NVIDIA kernels: cuDNN (``_scaled_dot_product_cudnn_attention``) and FlashAttention-2
+(``_scaled_dot_product_flash_attention``), forward with logsumexp and their backward ops.
+
+Kept to the problems both compute exactly as the contract says, with no mask tensor:
+fp16/bf16, ``D == Dv``, ``D % 8 == 0``, ``D <= 256``, no mask, and causal only when
+``Sq == Sk`` (torch's kernels disagree on the alignment otherwise). cuDNN runs the
+measured winners on Hopper (`cudnn_wins`); flash the rest (it does GQA itself).
+Unverified on a GPU until the lead's H200 conformance run (docs/backends.md).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from attnx.autograd import alloc_out
+from attnx.inputs import Grads, Inputs
+from attnx.limits import length_reasons
+from attnx.problem import Problem, length_bucket
+
+from .masks import needs_mask_tensor, uses_is_causal
+
+HALF = (torch.float16, torch.bfloat16)
+CUDNN_HEAD_DIMS = (64, 128)     # measured (benchmarks/results/h200-2026-11-29)
+CUDNN_MIN_SEQLEN = 512          # the shortest sequence measured; a power of two (dispatch buckets)
+
+
+def cuda_reasons(p: Problem) -> list[str]:
+    """Why torch's fused NVIDIA kernels cannot compute `p` exactly (empty when they can)."""
+    reasons = []
+    if p.vendor != "nvidia":
+        reasons.append(f"{p.vendor} GPUs not supported (torch's fused kernels are checked on NVIDIA only)")
+    if p.dtype not in HALF:
+        reasons.append("on CUDA only float16 and bfloat16 (torch's fused kernels with logsumexp)")
+    if p.head_dim != p.head_dim_v or p.head_dim % 8 or p.head_dim > 256:
+        reasons.append(f"on CUDA head_dim must equal head_dim_v, be a multiple of 8 and <= 256 (got "
+                       f"{p.head_dim}/{p.head_dim_v})")
+    if p.mask_kind is not None:
+        reasons.append("on CUDA no mask tensor (a hidden NaN key would leak through an additive mask)")
+    elif needs_mask_tensor(p):
+        reasons.append("on CUDA only full attention or causal attention with Sq == Sk (no windows or offsets)")
+    elif uses_is_causal(p) and p.seqlen_q != p.seqlen_k:
+        reasons.append("on CUDA causal only with Sq == Sk (torch's kernels differ on the alignment otherwise)")
+    if p.needs_grad and p.deterministic:
+        reasons.append("torch.use_deterministic_algorithms(True): torch's fused CUDA backward is not checked for it")
+    return reasons + length_reasons(p)
+
+
+def cudnn_wins(p: Problem) -> bool:
+    """The problems cuDNN was measured fastest on: H200 (sm_90), fp16/bf16, MHA, D 64/128, S >= 512.
+
+    Decided on power-of-two length buckets, so the dispatcher's rank (asked with
+    `Problem.bucketed`) and the kernel that runs always agree.
+    """
+    return (p.arch == "sm_90" and p.dtype in HALF and p.heads_q == p.heads_kv
+            and p.head_dim == p.head_dim_v and p.head_dim in CUDNN_HEAD_DIMS
+            and length_bucket(min(p.seqlen_q, p.seqlen_k)) >= CUDNN_MIN_SEQLEN)
+
+
+def _operands(x: Inputs):
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in (x.q, x.k, x.v))
+
+
+def _no_rng(device) -> torch.Tensor:
+    # philox seed/offset: read only when dropout_p > 0, and attnx never drops out
+    return torch.empty((), dtype=torch.int64, device=device)
+
+
+def forward(p: Problem, x: Inputs):
+    q, k, v = _operands(x)
+    causal = uses_is_causal(p)
+    if cudnn_wins(p):
+        result = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=p.scale)
+    else:
+        result = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=p.scale)
+    out_k, lse_k = result[0], result[1]
+    out = alloc_out(p, x.q)
+    out.copy_(out_k)
+    return out, lse_k.reshape(p.batch, p.heads_q, p.seqlen_q).to(torch.float32)
+
+
+def backward(p: Problem, x: Inputs, out, lse, dout) -> Grads:
+    q, k, v = _operands(x)
+    causal = uses_is_causal(p)
+    rng = _no_rng(q.device)
+    if cudnn_wins(p):
+        # cuDNN wants out and dout in one layout
+        dout = dout.contiguous()
+        out = out.contiguous()
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse.reshape(p.batch, p.heads_q, p.seqlen_q, 1).contiguous(), rng, rng, None,
+            None, None, p.seqlen_q, p.seqlen_k, 0.0, causal, scale=p.scale)
+    else:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.contiguous(), None, None, p.seqlen_q, p.seqlen_k, 0.0, causal, rng, rng,
+            scale=p.scale)
+    return Grads(dq, dk, dv)
+
+
+def kernel_name(p: Problem) -> Optional[str]:
+    """Which torch kernel runs `p` on CUDA ("cudnn" or "flash"), or None when declined."""
+    if cuda_reasons(p):
+        return None
+    return "cudnn" if cudnn_wins(p) else "flash"

@@ -1,0 +1,124 @@
+"""The torch backend: exactness where torch's kernels differ from the contract, declarations, dispatch rank,
+and the CUDA launch code checked on meta tensors (no GPU here; conformance covers the CPU path)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnx
+from attnx.inputs import Inputs
+from attnx.problem import Problem
+from attnx.reference import attention_reference
+
+from attnx.backends.torch import cuda as torch_cuda
+
+BACKEND = attnx.get_backend("torch")
+
+
+def _reference(q, k, v, **options):
+    out, lse = attention_reference(q.double(), k.double(), v.double(), scale=1 / math.sqrt(q.shape[-1]), **options)
+    return out.to(q.dtype), lse.float()
+
+
+@pytest.mark.parametrize("rule", ["bool-mask", "window", "bottom-right-causal"])
+def test_a_hidden_nan_key_stays_hidden(rule):
+    # the kernel adds -inf to a NaN score (NaN): those batch entries are recomputed by the formula
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 2, 6, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+    k[0, 0, 7, 0] = float("nan")
+    if rule == "bool-mask":
+        mask = torch.ones(6, 9, dtype=torch.bool)
+        mask[:, 7] = False
+        mask[2, 7] = True  # only row 2 sees the NaN key
+        options, ref = dict(mask=mask), dict(mask=mask)
+    elif rule == "window":
+        options, ref = dict(window=(1, 1)), dict(window_left=1, window_right=1)
+    else:
+        options, ref = dict(causal=True), dict(window_right=0)
+    out, lse = attnx.attention(q, k, v, backend="torch", return_lse=True, **options)
+    ref_out, ref_lse = _reference(q, k, v, **ref)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref_out)) and torch.isnan(out).any()
+    torch.testing.assert_close(out.nan_to_num(), ref_out.nan_to_num(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.nan_to_num(), ref_lse.nan_to_num(), atol=1e-5, rtol=1e-5)
+
+
+def test_rows_that_see_no_key_have_minus_inf_lse_and_zero_gradients():
+    q, k, v = (torch.randn(1, 2, 5, 16, requires_grad=True) for _ in range(3))
+    mask = torch.zeros(1, 1, 5, 5)
+    mask[..., 3, :] = float("-inf")  # additive -inf over a whole row
+    out, lse = attnx.attention(q, k, v, mask=mask, causal=True, backend="torch", return_lse=True)
+    assert torch.all(out[:, :, 3] == 0) and torch.all(lse[:, :, 3] == float("-inf"))
+    out.sum().backward()
+    assert torch.all(q.grad[:, :, 3] == 0) and not torch.isnan(k.grad).any()
+
+
+def test_float64_gradients_use_the_float64_lse():
+    q, k, v = (torch.randn(2, 3, 7, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = attnx.attention(q, k, v, causal=True, backend="torch")
+    ref, _ = attention_reference(q, k, v, scale=0.25, window_right=0)
+    dout = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+def test_declines_what_the_kernels_do_not_compute():
+    q, k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 8)
+    reasons = attnx.explain(q, k, v, softcap=5.0, sinks=torch.zeros(2), backend="torch").reasons["torch"]
+    text = "; ".join(reasons)
+    assert "softcap" in text and "sinks" in text and "head_dim_v" in text
+
+
+def test_declines_a_huge_mask_it_would_have_to_build():
+    p = Problem.create(dtype=torch.float32, batch=1, heads_q=1, seqlen_q=1 << 15, seqlen_k=1 << 15, head_dim=64,
+                       window=(128, 0))
+    assert any("additive mask" in r for r in BACKEND.reasons(p))
+    assert not BACKEND.reasons(p._replace(window_left=None))  # plain causal needs no mask
+
+
+@pytest.mark.parametrize("options, rank", [(dict(), 40), (dict(causal=True), 40), (dict(window=(64, 0)), 15),
+                                           (dict(causal=True, seqlen_k=512), 15), (dict(mask_kind="bool"), 40)])
+def test_cpu_rank(options, rank):
+    sizes = dict(seqlen_q=256, seqlen_k=options.pop("seqlen_k", 256))
+    if "mask_kind" in options:
+        options["mask_shape"] = (1, 1, 256, 256)
+    p = Problem.create(dtype=torch.float32, batch=1, heads_q=4, head_dim=64, **sizes, **options)
+    assert BACKEND.rank(p.bucketed()) == rank
+
+
+# -- CUDA: what would run on an H200, checked on meta tensors -----------------------------------
+def _cuda_problem(dtype=torch.bfloat16, seqlen=1024, head_dim=128, heads_kv=4, arch="sm_90", **options):
+    return Problem.create(device="cuda", vendor="nvidia", arch=arch, dtype=dtype, batch=2, heads_q=4,
+                          heads_kv=heads_kv, seqlen_q=seqlen, head_dim=head_dim, **options)
+
+
+@pytest.mark.parametrize("options, kernel, rank", [
+    (dict(), "cudnn", 95), (dict(causal=True), "cudnn", 95), (dict(seqlen=128), "flash", 50),
+    (dict(head_dim=96), "flash", 50), (dict(heads_kv=1), "flash", 50), (dict(arch="sm_80"), "flash", 50),
+    (dict(dtype=torch.float32), None, None), (dict(window=(16, 0)), None, None),
+    (dict(head_dim=100), None, None), (dict(mask_kind="bool", mask_shape=(1, 1, 1, 1024)), None, None),
+])
+def test_cuda_kernel_choice_and_rank(options, kernel, rank):
+    p = _cuda_problem(**options)
+    assert torch_cuda.kernel_name(p) == kernel
+    assert bool(BACKEND.declared_reasons(p) + BACKEND.extra_reasons(p)) == (kernel is None)
+    if rank is not None:
+        assert BACKEND.rank(p.bucketed()) == rank
+
+
+def test_cuda_deterministic_backward_is_declined():
+    p = _cuda_problem(needs_grad=True, deterministic=True)
+    assert any("deterministic" in r for r in BACKEND.extra_reasons(p))
+
+
+@pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(seqlen=128, heads_kv=2)])
+def test_cuda_launch_code_on_meta_tensors(options):
+    p = _cuda_problem(**options)
+    q = torch.empty(2, 4, p.seqlen_q, p.head_dim, dtype=p.dtype, device="meta")
+    k = torch.empty(2, p.heads_kv, p.seqlen_k, p.head_dim, dtype=p.dtype, device="meta")
+    x = Inputs(q, k, torch.empty_like(k))
+    out, lse = torch_cuda.forward(p, x)
+    assert out.shape == q.shape and lse.shape == (2, 4, p.seqlen_q) and lse.dtype == torch.float32
+    grads = torch_cuda.backward(p, x, out, lse, torch.empty_like(out))
+    assert grads.dq.shape == q.shape and grads.dk.shape == k.shape and grads.dv.shape == k.shape
