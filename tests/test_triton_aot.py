@@ -1,7 +1,8 @@
 """CI check 2 for the triton backend: every kernel variant it can launch compiles ahead of time.
 
 `triton.compile` with a `GPUTarget` needs no GPU: cubins for NVIDIA sm_80/sm_90 and hsaco
-for AMD gfx90a/gfx942/gfx1100. A variant must also fit the target's shared memory (Triton
+for AMD gfx90a/gfx942/gfx1100, the split-KV decode kernels included (tensor formats are runtime
+arguments, so they add no variants). A variant must also fit the target's shared memory (Triton
 only checks that at load time). Variants that cannot work on a target must be declared
 in `configs.UNSUPPORTED` (then the backend declines them there, with the reason) instead.
 """
@@ -39,6 +40,46 @@ def test_variant_list_matches_launcher():
                         continue
                     assert any(v.kernel == kernel and v.dtype == dtype and v.block_d == bd and v.path == "general"
                                for v in aot.variants(target)), (target, kernel, dtype, bd)
+
+
+def test_decode_variants_listed():
+    """The split-KV decode kernel for every dtype and BLOCK_D, its combine kernel for every output dtype."""
+    for target in aot.TARGETS:
+        found = aot.variants(target)
+        for dtype in configs.DTYPES:
+            assert sum(v.kernel == "decode_combine" and v.dtype == dtype for v in found) == 1, (target, dtype)
+            for bd in configs.BLOCK_DS:
+                assert sum(v.kernel == "decode" and v.dtype == dtype and v.block_d == bd for v in found) == 1
+
+
+@pytest.mark.parametrize("programs,seqlen_k,want", [
+    (8, 32768, 29),      # B=1, 8 kv heads: split until 132 SMs x 2 are ~full
+    (64, 8192, 4),       # B=8: 4 splits fill 256 of 264 slots
+    (512, 32768, 1),     # B=64: a wave already
+    (8, 300, 1),         # too few keys to split (256 per split at least)
+    (8, 1024, 4),        # capped by the keys
+])
+def test_decode_split_rule(programs, seqlen_k, want):
+    """configs.decode_splits on an H200 (132 SMs): FlashAttention-2's wave-efficiency rule."""
+    assert configs.decode_splits("hopper", 132, programs, seqlen_k) == want
+
+
+@pytest.mark.parametrize("q_format,kv_format", [("varlen", "varlen"), ("dense", "cache"), ("dense", "paged"),
+                                                ("varlen", "cache"), ("varlen", "paged")])
+def test_formats_accepted_on_every_target(q_format, kv_format):
+    """Tensor formats are runtime arguments: every target that takes dense problems takes them, with grads."""
+    import torch
+
+    from attnx.backends.triton import BACKEND
+    from attnx.problem import Problem
+
+    for vendor, arch in (("nvidia", "sm_90"), ("nvidia", "sm_80"), ("amd", "gfx942"), ("amd", "gfx1100")):
+        p = Problem.create(device="cuda", vendor=vendor, arch=arch, dtype=torch.bfloat16, batch=4, heads_q=32,
+                           heads_kv=8, seqlen_q=1 if kv_format != "varlen" else 500, seqlen_k=4096, head_dim=128,
+                           causal=True, needs_grad=True, q_format=q_format, kv_format=kv_format,
+                           page_size=16 if kv_format == "paged" else None)
+        own = [r for r in BACKEND.reasons(p) if r not in BACKEND.unavailable_reasons]
+        assert not own, (vendor, arch, own)
 
 
 @pytest.mark.parametrize("target", list(aot.TARGETS))

@@ -1,7 +1,8 @@
 """Every kernel variant the triton backend can launch, and ahead-of-time compilation of one for a target.
 
 A variant is (kernel, dtype, BLOCK_D, path, config); `variants(target)` lists them from
-`configs.candidates`, exactly as the launcher picks them. `compile_variant` runs
+`configs.candidates` (and `configs.decode_config`/`combine_config` for the split-KV decode
+kernels), exactly as the launcher picks them. Tensor formats are runtime arguments: no variants. `compile_variant` runs
 `triton.compile` for a `GPUTarget` without a GPU and reports registers/shared memory
 where the target's binary says them. Used by tests/test_triton_aot.py:
 
@@ -24,11 +25,12 @@ TARGETS = {
     "gfx1100": ("hip", "gfx1100", 32, "rdna", 65536),
 }
 _FLOAT_ARGS = {"scale", "softcap"}
-_FP32_POINTERS = {"Lse", "Delta", "Mask", "Slopes", "Sinks", "dMask"}
+_FP32_POINTERS = {"Lse", "Delta", "Mask", "Slopes", "Sinks", "dMask", "PartOut", "PartLse"}
+_I32_POINTERS = {"CuQ", "CuK", "SeqlensK", "PageTable"}
 
 
 class Variant(NamedTuple):
-    kernel: str        # "fwd", "bwd_dkdv", "bwd_dq", "bwd_preprocess"
+    kernel: str        # "fwd", "bwd_dkdv", "bwd_dq", "bwd_preprocess", "decode", "decode_combine"
     dtype: str         # "fp16", "bf16", "fp32"
     block_d: int
     path: str          # "dense" or "general"
@@ -57,14 +59,18 @@ def variants(target: str) -> list[Variant]:
                         continue
                     for cfg in configs.candidates(fam, kernel, path, bd, dtype):
                         found.append(Variant(kernel, dtype, bd, path, cfg))
+            # split-KV decode: every feature and format at runtime, one variant per dtype and BLOCK_D
+            found.append(Variant("decode", dtype, bd, "general", configs.decode_config(fam, bd, dtype)))
+        found.append(Variant("decode_combine", dtype, configs.COMBINE_BLOCK_D, "general", configs.combine_config(fam)))
     return found
 
 
 def _kernel_fn(kernel: str):
-    from . import kernels_bwd, kernels_fwd
+    from . import kernels_bwd, kernels_decode, kernels_fwd
 
     return {"fwd": kernels_fwd.attn_fwd, "bwd_dkdv": kernels_bwd.bwd_dkdv, "bwd_dq": kernels_bwd.bwd_dq,
-            "bwd_preprocess": kernels_bwd.bwd_preprocess}[kernel]
+            "bwd_preprocess": kernels_bwd.bwd_preprocess, "decode": kernels_decode.attn_decode,
+            "decode_combine": kernels_decode.decode_combine}[kernel]
 
 
 def _signature(fn, variant: Variant, constexprs: dict) -> dict:
@@ -73,7 +79,8 @@ def _signature(fn, variant: Variant, constexprs: dict) -> dict:
         if name in constexprs:
             sig[name] = "constexpr"
         elif name[0].isupper() or name.startswith("d") and name[1:2].isupper():
-            sig[name] = "*fp32" if name in _FP32_POINTERS else f"*{variant.dtype}"
+            sig[name] = ("*fp32" if name in _FP32_POINTERS else "*i32" if name in _I32_POINTERS
+                         else f"*{variant.dtype}")
         elif name in _FLOAT_ARGS:
             sig[name] = "fp32"
         else:
@@ -92,15 +99,20 @@ def compile_variant(variant: Variant, target: str) -> dict:
     c = variant.config
     if variant.kernel == "bwd_preprocess":
         constexprs = {"BLOCK_M": c.block_m, "BLOCK_D": variant.block_d}
+    elif variant.kernel == "decode":
+        constexprs = {"BLOCK_R": c.block_m, "BLOCK_N": c.block_n, "BLOCK_D": variant.block_d}
+    elif variant.kernel == "decode_combine":
+        constexprs = {"BLOCK_R": c.block_m, "BLOCK_D": c.block_n}
     else:
         constexprs = {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_D": variant.block_d,
                       "DENSE": variant.path == "dense"}
     # a launch sees the head dim contiguous (stride 1), which Triton folds in as a constant
     constexprs.update({name: 1 for name in fn.arg_names if name.startswith("stride") and name.endswith("d")})
     sig = _signature(fn, variant, constexprs)
-    # the launch specialises pointers and strides on 16-divisibility; assume the aligned case
+    # the launch specialises pointers and the ints not in do_not_specialize (strides; the decode
+    # kernel's head dims) on 16-divisibility; assume the aligned case
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-               if sig[name].startswith("*") or name.startswith("stride") and sig[name] != "constexpr"}
+               if sig[name].startswith("*") or sig[name] == "i32" and name not in fn.do_not_specialize}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=aligned)
     start = time.perf_counter()
     compiled = triton.compile(src, target=GPUTarget(backend, arch, warp), options=c.options(fam))

@@ -11,6 +11,7 @@ import torch
 
 from attnx.backend import Backend
 from attnx.limits import length_reasons
+from attnx.problem import FORMAT_PAIRS
 
 from . import configs
 
@@ -24,8 +25,9 @@ def interpreter_active() -> bool:
 
 class TritonBackend(Backend):
     name = "triton"
-    description = ("FlashAttention-2 in Triton (forward + recomputing backward, no atomics); NVIDIA sm80+ and "
-                   "AMD gfx90a/gfx942/gfx11; on CPU tensors only under TRITON_INTERPRET=1")
+    description = ("FlashAttention-2 in Triton (forward + recomputing backward, no atomics), packed/cache/paged "
+                   "formats and split-KV decode; NVIDIA sm80+ and AMD gfx90a/gfx942/gfx11; on CPU tensors only "
+                   "under TRITON_INTERPRET=1")
     min_capability = (8, 0)
     amd_archs = frozenset({"gfx90a", "gfx94", "gfx110"})
     dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -33,6 +35,9 @@ class TritonBackend(Backend):
     deterministic = True
     supports_offset = True
     supports_sinks = True
+    # every pair: packed, cache and paged formats are runtime arguments of the same kernels
+    # (paged keys: forward in-kernel through the page table; backward gathers the pages into a cache)
+    formats = FORMAT_PAIRS
     # Measured faster than the cuda backend's Ampere family on Hopper (docs/backends.md); "cpu" is the
     # interpreter (TRITON_INTERPRET=1), a test mode that must never outrank blocked (20) or naive.
     priority = {"cuda:sm_90": 90, "cuda": 70, "cpu": 0}

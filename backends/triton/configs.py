@@ -49,10 +49,14 @@ DENSE_FAMILIES = ("hopper", "cdna", "cpu")
 
 
 def path_of(p) -> str:
-    """'dense' (the tuned fast path) or 'general' for a Problem."""
+    """'dense' (the tuned fast path) or 'general' for a Problem.
+
+    Packed and cache formats keep the dense path (per-sequence starts and lengths are runtime
+    arguments); paged keys take the general path, whose key loop reads the page table.
+    """
     dense = (p.softcap is None and not p.has_alibi and p.mask_kind is None and p.head_dim == p.head_dim_v
              and p.head_dim in BLOCK_DS and DTYPE_NAMES.get(p.dtype) in DENSE_DTYPES
-             and family(p.vendor, p.arch) in DENSE_FAMILIES)
+             and family(p.vendor, p.arch) in DENSE_FAMILIES and p.kv_format != "paged")
     return "dense" if dense else "general"
 
 
@@ -119,6 +123,64 @@ def candidates(fam: str, kernel: str, path: str, bd: int, dtype: str) -> list[La
     if kernel == "bwd_dkdv":
         return [C(16, 32, 4, 1, 0, nonk)] if big else [C(32, 64, 4, 1, 0, nonk)]
     return [C(32, 16, 4, 1, 0, nonk)] if big else [C(64, 32, 4, 1, 0, nonk)]
+
+
+# -- split-KV decode (kernels_decode.py) ------------------------------------------------------
+# Few query rows (decode: 1 token; speculative verification or short chunks: a few) take the decode
+# kernel: the rows of one GQA group together, BLOCK_R at a time, keys split across programs.
+DECODE_MAX_SEQLEN_Q = 16
+DECODE_BLOCK_R = 16           # rows (query heads of a group x queries) per program; the MMA minimum
+COMBINE_BLOCK_R = 32          # rows per program of the combine kernel
+COMBINE_BLOCK_D = 64          # head-dim slice per program of the combine kernel (any Dv, one variant)
+DECODE_PROGRAMS_PER_SM = 2    # decode programs resident per SM/CU (the tiles below fit twice)
+DECODE_MIN_SPLIT_KEYS = 256   # a split reads at least this many keys (fewer: the combine costs more)
+DECODE_MAX_SPLITS = 128
+# the interpreter has no SMs; an imaginary 4-SM device with short splits exercises the split path
+INTERPRETER_SMS = 4
+INTERPRETER_MIN_SPLIT_KEYS = 16
+
+
+def use_decode(p) -> bool:
+    """Whether the forward of `p` runs the split-KV decode kernel (few query rows, no mask tensor)."""
+    return 1 <= p.seqlen_q <= DECODE_MAX_SEQLEN_Q and p.mask_kind is None
+
+
+def decode_splits(fam: str, sm_count: int, programs: int, seqlen_k: int) -> int:
+    """Number of key splits for `programs` (batch x kv heads x row chunks) programs over up to `seqlen_k` keys.
+
+    FlashAttention-2's rule (`num_splits_heuristic`): no split once the programs fill 80 % of one
+    wave (``DECODE_PROGRAMS_PER_SM`` per SM); otherwise, among 1..max splits (max: 128, and at
+    least ``DECODE_MIN_SPLIT_KEYS`` keys per split), the fewest whose last wave is at least 85 % as
+    full as the best choice's (wave efficiency = waves / ceil(waves)). Decided from the longest
+    sequence (the capacity for caches), so a decode loop keeps one decision per cache.
+    """
+    slots = max(1, sm_count) * DECODE_PROGRAMS_PER_SM
+    min_keys = INTERPRETER_MIN_SPLIT_KEYS if fam == "cpu" else DECODE_MIN_SPLIT_KEYS
+    if programs <= 0 or programs >= 0.8 * slots:
+        return 1
+    most = max(1, min(DECODE_MAX_SPLITS, seqlen_k // min_keys))
+    eff = []
+    for s in range(1, most + 1):
+        waves = programs * s / slots
+        eff.append(waves / -(-waves // 1))
+    best = max(eff)
+    return next(s for s, e in enumerate(eff, start=1) if e >= 0.85 * best)
+
+
+def decode_config(fam: str, bd: int, dtype: str) -> LaunchConfig:
+    """Tiles of the decode kernel: BLOCK_R query rows, BLOCK_N keys, K and V tiles pipelined."""
+    row_bytes = bd * (4 if dtype == "fp32" else 2)
+    if fam == "cpu":
+        return C(DECODE_BLOCK_R, 16, 4, 1)
+    if fam in ("cdna", "rdna"):  # 64 KB LDS, no multi-stage pipelining
+        nonk = 16 if fam == "cdna" else 0
+        return C(DECODE_BLOCK_R, 64 if row_bytes <= 256 else 32 if row_bytes <= 512 else 16, 4, 1, 0, nonk)
+    # NVIDIA: K+V tiles x stages within sm_80's 163 KB (two programs per SM on Hopper at d128 16-bit)
+    return C(DECODE_BLOCK_R, 64 if row_bytes <= 256 else 32, 4, 3 if row_bytes <= 512 else 2)
+
+
+def combine_config(fam: str) -> LaunchConfig:
+    return C(COMBINE_BLOCK_R, COMBINE_BLOCK_D, 4, 1)
 
 
 # Variants that do not compile or fit on a family, with the reason (kept in step with tests/test_triton_aot.py).

@@ -9,29 +9,36 @@ Three launches, no atomics (so results are bitwise reproducible):
 import triton
 import triton.language as tl
 
-from .kernels_common import block_range, dot, load_rows, lse_log2, scores, store_rows
+from .kernels_common import block_range, dot, load_rows, lse_log2, scores, seq_info, store_rows
 
 
-@triton.jit(do_not_specialize=["heads_q", "seqlen_q", "head_dim_v"])
-def bwd_preprocess(Out, dOut, Delta,
+@triton.jit(do_not_specialize=["heads_q", "seqlen_q", "head_dim_v", "q_varlen", "total_q", "stride_lse_b",
+                            "stride_lse_h"])
+def bwd_preprocess(Out, dOut, Delta, CuQ,
                    stride_ob, stride_oh, stride_om, stride_od,
                    stride_dob, stride_doh, stride_dom, stride_dod,
-                   heads_q, seqlen_q, head_dim_v,
+                   stride_lse_b, stride_lse_h,
+                   heads_q, seqlen_q, head_dim_v, q_varlen, total_q,
                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // heads_q).to(tl.int64)
     h = (pid_bh % heads_q).to(tl.int64)
+    # only the query side of the format matters here (kv_mode 0: no key index is read)
+    q_start, seqlen_q, _, _, _ = seq_info(b, CuQ, CuQ, CuQ, seqlen_q, 0, 0, q_varlen, 0, 0, total_q, 0)
+    if pid_m * BLOCK_M >= seqlen_q:
+        return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     inside = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim_v)
-    rows = offs_m.to(tl.int64)[:, None]
+    rows = (q_start.to(tl.int64) + offs_m)[:, None]
     o = tl.load(Out + b * stride_ob + h * stride_oh + rows * stride_om + offs_d[None, :] * stride_od,
                 mask=inside, other=0.0)
     do = tl.load(dOut + b * stride_dob + h * stride_doh + rows * stride_dom + offs_d[None, :] * stride_dod,
                  mask=inside, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + (b * heads_q + h) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
+    # delta has lse's layout: (B, Hq, Sq) or (Hq, total_q)
+    tl.store(Delta + b * stride_lse_b + h * stride_lse_h + q_start + offs_m, delta, mask=offs_m < seqlen_q)
 
 
 @triton.jit
@@ -76,8 +83,9 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dmask_base
 
 @triton.jit(do_not_specialize=["heads_q", "heads_kv", "group_size", "seqlen_q", "seqlen_k", "head_dim",
                             "head_dim_v", "key_offset", "window_left", "window_right", "store_dmask",
-                            "seq_bucket"])
-def bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Mask, Slopes, dMask,
+                            "q_varlen", "kv_mode", "align_br", "total_q", "total_k", "seq_bucket",
+                            "stride_lse_b", "stride_lse_h"])
+def bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Mask, Slopes, dMask, CuQ, CuK, SeqlensK,
              stride_qb, stride_qh, stride_qm, stride_qd,
              stride_kb, stride_kh, stride_kn, stride_kd,
              stride_vb, stride_vh, stride_vn, stride_vd,
@@ -85,19 +93,25 @@ def bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Mask, Slopes, dMask,
              stride_dkb, stride_dkh, stride_dkn, stride_dkd,
              stride_dvb, stride_dvh, stride_dvn, stride_dvd,
              stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-             stride_slope_b, stride_slope_h,
+             stride_slope_b, stride_slope_h, stride_lse_b, stride_lse_h,
              heads_q, heads_kv, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v,
-             key_offset, window_left, window_right, scale, softcap, store_dmask, seq_bucket,
+             key_offset, window_left, window_right, scale, softcap, store_dmask,
+             q_varlen, kv_mode, align_br, total_q, total_k, seq_bucket,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DENSE: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // heads_kv).to(tl.int64)
     h_kv = (pid_bh % heads_kv).to(tl.int64)
     n0 = pid_n * BLOCK_N
+    # packed and cache formats (never paged here: launch.py gathers pages into a cache first)
+    q_start, seqlen_q, k_start, seqlen_k, key_offset = seq_info(
+        b, CuQ, CuK, SeqlensK, seqlen_q, seqlen_k, key_offset, q_varlen, kv_mode, align_br, total_q, total_k)
+    if n0 >= seqlen_k:  # (keys past a cache's length keep the zeros launch.py allocated)
+        return
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    cols = offs_n.to(tl.int64)[:, None]
+    cols = (k_start.to(tl.int64) + offs_n)[:, None]
     k_ptrs = K + b * stride_kb + h_kv * stride_kh + cols * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = V + b * stride_vb + h_kv * stride_vh + cols * stride_vn + offs_d[None, :] * stride_vd
     k = load_rows(k_ptrs, offs_n, seqlen_k, offs_d, head_dim, DENSE, True)
@@ -121,10 +135,10 @@ def bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Mask, Slopes, dMask,
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for g in range(0, group_size):
         h = h_kv * group_size + g
-        q_base = Q + b * stride_qb + h * stride_qh
-        do_base = dOut + b * stride_dob + h * stride_doh
-        lse_base = Lse + (b * heads_q + h) * seqlen_q
-        delta_base = Delta + (b * heads_q + h) * seqlen_q
+        q_base = Q + b * stride_qb + h * stride_qh + q_start.to(tl.int64) * stride_qm
+        do_base = dOut + b * stride_dob + h * stride_doh + q_start.to(tl.int64) * stride_dom
+        lse_base = Lse + b * stride_lse_b + h * stride_lse_h + q_start
+        delta_base = Delta + b * stride_lse_b + h * stride_lse_h + q_start
         dmask_base = dMask + (b * heads_q + h) * seqlen_q * seqlen_k
         mask_base = Mask + b * stride_mask_b + h * stride_mask_h
         slope = 0.0
@@ -182,17 +196,19 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, str
 
 
 @triton.jit(do_not_specialize=["heads_q", "group_size", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v",
-                            "key_offset", "window_left", "window_right", "seq_bucket"])
-def bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Mask, Slopes,
+                            "key_offset", "window_left", "window_right", "q_varlen", "kv_mode", "align_br",
+                            "total_q", "total_k", "seq_bucket"])
+def bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Mask, Slopes, CuQ, CuK, SeqlensK,
            stride_qb, stride_qh, stride_qm, stride_qd,
            stride_kb, stride_kh, stride_kn, stride_kd,
            stride_vb, stride_vh, stride_vn, stride_vd,
            stride_dob, stride_doh, stride_dom, stride_dod,
            stride_dqb, stride_dqh, stride_dqm, stride_dqd,
            stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-           stride_slope_b, stride_slope_h,
+           stride_slope_b, stride_slope_h, stride_lse_b, stride_lse_h,
            heads_q, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v,
-           key_offset, window_left, window_right, scale, softcap, seq_bucket,
+           key_offset, window_left, window_right, scale, softcap,
+           q_varlen, kv_mode, align_br, total_q, total_k, seq_bucket,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DENSE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -201,19 +217,23 @@ def bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Mask, Slopes,
     h_kv = (h // group_size).to(tl.int64)
     h = h.to(tl.int64)
     m0 = pid_m * BLOCK_M
+    q_start, seqlen_q, k_start, seqlen_k, key_offset = seq_info(
+        b, CuQ, CuK, SeqlensK, seqlen_q, seqlen_k, key_offset, q_varlen, kv_mode, align_br, total_q, total_k)
+    if m0 >= seqlen_q:
+        return
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    rows = offs_m.to(tl.int64)[:, None]
+    rows = (q_start.to(tl.int64) + offs_m)[:, None]
     q_ptrs = Q + b * stride_qb + h * stride_qh + rows * stride_qm + offs_d[None, :] * stride_qd
     do_ptrs = dOut + b * stride_dob + h * stride_doh + rows * stride_dom + offs_d[None, :] * stride_dod
     q = load_rows(q_ptrs, offs_m, seqlen_q, offs_d, head_dim, DENSE, True)
     do = load_rows(do_ptrs, offs_m, seqlen_q, offs_d, head_dim_v, DENSE, True)
-    row_base = (b * heads_q + h) * seqlen_q
+    row_base = b * stride_lse_b + h * stride_lse_h + q_start
     lse2 = lse_log2(tl.load(Lse + row_base + offs_m, mask=offs_m < seqlen_q, other=float("inf")))
     delta = tl.load(Delta + row_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
-    k_base = K + b * stride_kb + h_kv * stride_kh
-    v_base = V + b * stride_vb + h_kv * stride_vh
+    k_base = K + b * stride_kb + h_kv * stride_kh + k_start.to(tl.int64) * stride_kn
+    v_base = V + b * stride_vb + h_kv * stride_vh + k_start.to(tl.int64) * stride_vn
     mask_base = Mask + b * stride_mask_b + h * stride_mask_h
     slope = 0.0
     if not DENSE:

@@ -10,6 +10,64 @@ import triton.language as tl
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
+# kv_mode, a runtime argument (no variant per format): how sequence b's keys are found
+KV_DENSE = tl.constexpr(0)    # (B, Hkv, Sk, D): every sequence has Sk keys
+KV_VARLEN = tl.constexpr(1)   # packed (total_k, Hkv, D): keys cu_seqlens_k[b]:cu_seqlens_k[b+1]
+KV_CACHE = tl.constexpr(2)    # (B, Hkv, capacity, D): the first seqlens_k[b] keys
+KV_PAGED = tl.constexpr(3)    # page pools (pages, page_size, Hkv, D) through page_table[b]
+
+
+@triton.jit
+def _clamp(x, lo, hi):
+    return tl.minimum(tl.maximum(x, lo), hi)
+
+
+@triton.jit
+def seq_info(b, CuQ, CuK, SeqlensK, seqlen_q, seqlen_k, key_offset, q_varlen, kv_mode, align_br,
+             total_q, total_k):
+    """Sequence b's ``(q_start, seqlen_q, k_start, seqlen_k, key_offset)``.
+
+    Dense q/kv give ``(0, seqlen_q, 0, seqlen_k, key_offset)`` unchanged. Packed formats read
+    ``cu_seqlens`` and caches ``seqlens_k``; the values are clamped to the buffers (packed
+    starts/ends into ``[0, total]`` rising, cache lengths into ``[0, capacity]``), so whatever an
+    index tensor holds no row outside the tensors is read or written. ``align_br`` 1 makes the
+    alignment bottom-right per sequence (``key_offset + Sk_b - Sq_b``).
+    """
+    is_qv = q_varlen != 0
+    q_start = _clamp(tl.load(CuQ + b, mask=is_qv, other=0), 0, total_q)
+    q_end = _clamp(tl.load(CuQ + b + 1, mask=is_qv, other=0), q_start, total_q)
+    q_len = tl.where(is_qv, q_end - q_start, seqlen_q)
+    is_kv = kv_mode == KV_VARLEN
+    k_start = _clamp(tl.load(CuK + b, mask=is_kv, other=0), 0, total_k)
+    k_end = _clamp(tl.load(CuK + b + 1, mask=is_kv, other=0), k_start, total_k)
+    is_cache = kv_mode >= KV_CACHE
+    cached = _clamp(tl.load(SeqlensK + b, mask=is_cache, other=0), 0, seqlen_k)
+    k_len = tl.where(is_kv, k_end - k_start, tl.where(is_cache, cached, seqlen_k))
+    offset = key_offset + align_br * (k_len - q_len)
+    return q_start, q_len, k_start, k_len, offset
+
+
+@triton.jit
+def kv_offsets(offs_kn, n_keys, pt_row, kv_mode, page_size, num_pages, stride_kp, stride_kn, stride_vp,
+               stride_vn):
+    """Element offsets (int64) of keys ``offs_kn`` of one sequence in K and V.
+
+    Paged: key j is row ``j % page_size`` of page ``page_table[b, j // page_size]`` (the table
+    read only for keys below ``n_keys``, pages clamped into the pool); otherwise row j from the
+    sequence's base pointer.
+    """
+    if kv_mode == KV_PAGED:
+        page = tl.load(pt_row + offs_kn // page_size, mask=offs_kn < n_keys, other=0)
+        page = _clamp(page, 0, num_pages - 1).to(tl.int64)
+        within = (offs_kn % page_size).to(tl.int64)
+        k_off = page * stride_kp + within * stride_kn
+        v_off = page * stride_vp + within * stride_vn
+    else:
+        rows = offs_kn.to(tl.int64)
+        k_off = rows * stride_kn
+        v_off = rows * stride_vn
+    return k_off, v_off
+
 
 @triton.jit
 def lse_log2(lse):

@@ -10,14 +10,14 @@ import triton.language as tl
 # Sizes vary with every call: compiling a kernel per value of their "== 1" / "% 16" properties would
 # recompile for new shapes. Strides stay specialised (their divisibility gives 16-byte loads).
 
-from .kernels_common import LN2, LOG2E, block_range, dot, load_rows, scores, store_rows
+from .kernels_common import KV_PAGED, LN2, LOG2E, block_range, dot, kv_offsets, load_rows, scores, seq_info, store_rows
 
 
 @triton.jit
 def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 mask_base, stride_mask_m, stride_mask_n, slope, offs_m, offs_n, offs_d,
                 lo, hi, split, gap, scale, softcap, key_offset, seqlen_q, seqlen_k, head_dim, head_dim_v,
-                window_left, window_right,
+                window_left, window_right, pt_row, kv_mode, page_size, num_pages, stride_kp, stride_vp,
                 BLOCK_N: tl.constexpr, DENSE: tl.constexpr, BOUNDARY: tl.constexpr):
     # BOUNDARY visits [lo, split) then [gap_end, hi) in one loop (one copy of the body)
     for i in range(0, (hi - lo) // BLOCK_N):
@@ -25,8 +25,14 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_v
         if BOUNDARY:
             start_n = tl.where(start_n < split, start_n, start_n + gap)
         offs_kn = start_n + offs_n
-        k_ptrs = k_base + offs_kn.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd
-        v_ptrs = v_base + offs_kn.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        if DENSE:  # never paged (configs.path_of)
+            k_off = offs_kn.to(tl.int64) * stride_kn
+            v_off = offs_kn.to(tl.int64) * stride_vn
+        else:
+            k_off, v_off = kv_offsets(offs_kn, seqlen_k, pt_row, kv_mode, page_size, num_pages, stride_kp,
+                                      stride_kn, stride_vp, stride_vn)
+        k_ptrs = k_base + k_off[:, None] + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + v_off[:, None] + offs_d[None, :] * stride_vd
         k = load_rows(k_ptrs, offs_kn, seqlen_k, offs_d, head_dim, DENSE, BOUNDARY)
         qk = dot(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32))
         s2, _ = scores(qk, offs_m[:, None], offs_kn[None, :], scale, softcap, slope, mask_base,
@@ -50,16 +56,19 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_v
 
 
 @triton.jit(do_not_specialize=["heads_q", "group_size", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v",
-                            "key_offset", "window_left", "window_right", "has_sinks", "seq_bucket"])
-def attn_fwd(Q, K, V, Out, Lse, Mask, Slopes, Sinks,
+                            "key_offset", "window_left", "window_right", "has_sinks", "q_varlen", "kv_mode",
+                            "align_br", "page_size", "total_q", "total_k", "num_pages", "seq_bucket",
+                            "stride_lse_b", "stride_lse_h", "stride_pt_b"])
+def attn_fwd(Q, K, V, Out, Lse, Mask, Slopes, Sinks, CuQ, CuK, SeqlensK, PageTable,
              stride_qb, stride_qh, stride_qm, stride_qd,
              stride_kb, stride_kh, stride_kn, stride_kd,
              stride_vb, stride_vh, stride_vn, stride_vd,
              stride_ob, stride_oh, stride_om, stride_od,
              stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-             stride_slope_b, stride_slope_h,
+             stride_slope_b, stride_slope_h, stride_lse_b, stride_lse_h, stride_pt_b,
              heads_q, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v,
-             key_offset, window_left, window_right, scale, softcap, has_sinks, seq_bucket,
+             key_offset, window_left, window_right, scale, softcap, has_sinks,
+             q_varlen, kv_mode, align_br, page_size, total_q, total_k, num_pages, seq_bucket,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DENSE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -68,14 +77,23 @@ def attn_fwd(Q, K, V, Out, Lse, Mask, Slopes, Sinks,
     h_kv = (h // group_size).to(tl.int64)
     h = h.to(tl.int64)
     m0 = pid_m * BLOCK_M
+    # the tensor formats (launch.format_args): this sequence's rows, keys and alignment
+    q_start, seqlen_q, k_start, seqlen_k, key_offset = seq_info(
+        b, CuQ, CuK, SeqlensK, seqlen_q, seqlen_k, key_offset, q_varlen, kv_mode, align_br, total_q, total_k)
+    if m0 >= seqlen_q:  # the grid covers the longest sequence
+        return
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    q_base = Q + b * stride_qb + h * stride_qh + q_start.to(tl.int64) * stride_qm
+    q_ptrs = q_base + offs_m.to(tl.int64)[:, None] * stride_qm + offs_d[None, :] * stride_qd
     q = load_rows(q_ptrs, offs_m, seqlen_q, offs_d, head_dim, DENSE, True)
-    k_base = K + b * stride_kb + h_kv * stride_kh
-    v_base = V + b * stride_vb + h_kv * stride_vh
+    # paged: stride_kb/stride_vb step pages, found per key through the page table
+    b_kv = tl.where(kv_mode == KV_PAGED, 0, b)
+    k_base = K + b_kv * stride_kb + h_kv * stride_kh + k_start.to(tl.int64) * stride_kn
+    v_base = V + b_kv * stride_vb + h_kv * stride_vh + k_start.to(tl.int64) * stride_vn
+    pt_row = PageTable + b * stride_pt_b
     mask_base = Mask + b * stride_mask_b + h * stride_mask_h
     slope = 0.0
     if not DENSE:
@@ -102,12 +120,13 @@ def attn_fwd(Q, K, V, Out, Lse, Mask, Slopes, Sinks,
         acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                     mask_base, stride_mask_m, stride_mask_n, slope, offs_m, offs_n, offs_d,
                                     full_lo, full_hi, full_hi, 0, scale, softcap, key_offset, seqlen_q, seqlen_k,
-                                    head_dim, head_dim_v, window_left, window_right, BLOCK_N, DENSE, False)
+                                    head_dim, head_dim_v, window_left, window_right, pt_row, kv_mode, page_size,
+                                    num_pages, stride_kb, stride_vb, BLOCK_N, DENSE, False)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                 mask_base, stride_mask_m, stride_mask_n, slope, offs_m, offs_n, offs_d,
                                 lo, end - (full_hi - full_lo), full_lo, full_hi - full_lo, scale, softcap,
                                 key_offset, seqlen_q, seqlen_k, head_dim, head_dim_v, window_left, window_right,
-                                BLOCK_N, DENSE, True)
+                                pt_row, kv_mode, page_size, num_pages, stride_kb, stride_vb, BLOCK_N, DENSE, True)
 
     if has_sinks != 0:
         # the sink is one more key of score sinks[h] (not scaled or modified) and value 0
@@ -122,7 +141,8 @@ def attn_fwd(Q, K, V, Out, Lse, Mask, Slopes, Sinks,
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
-    o_ptrs = (Out + b * stride_ob + h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_om
-              + offs_d[None, :] * stride_od)
+    rows = q_start.to(tl.int64) + offs_m
+    o_ptrs = Out + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :] * stride_od
     store_rows(o_ptrs, out.to(Out.dtype.element_ty), offs_m, seqlen_q, offs_d, head_dim_v, DENSE)
-    tl.store(Lse + (b * heads_q + h) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    # lse is (B, Hq, Sq) for dense q, (Hq, total_q) for packed q (stride_lse_b 0)
+    tl.store(Lse + b * stride_lse_b + h * stride_lse_h + rows, lse, mask=offs_m < seqlen_q)
