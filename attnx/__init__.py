@@ -4,7 +4,8 @@
 
 See `attnx.attention` for the arguments, `attnx.explain` for the dispatcher's
 decision, `attnx.use_backend` to restrict it, `attnx.plan` for repeated calls,
-`attnx.merge` to combine partial results, and ``python -m attnx.doctor``.
+`attnx.merge` to combine partial results, ``attnx.compat`` for drop-in SDPA, flash-attn
+and transformers entry points, and ``python -m attnx.doctor``.
 """
 __version__ = "0.2.0"
 
@@ -20,9 +21,11 @@ from .registry import (get_backend, list_backends, register_backend, registered,
                        unregister_backend)
 from .selection import use_backend
 
+from . import compat  # noqa: E402  (cheap: imports transformers or flash-attn shims only when used)
+
 __all__ = [
     "attention", "explain", "plan", "Plan", "merge", "use_backend", "list_backends", "register_backend",
     "unregister_backend", "registered", "get_backend", "registered_backends", "Backend", "Problem", "Inputs",
     "Grads", "Decision", "make_call", "make_problem", "alloc_out", "lse_shape", "sum_to_shape",
-    "AttnxError", "InvalidArgumentError", "InvalidTypeError", "NoBackendError", "__version__",
+    "AttnxError", "InvalidArgumentError", "InvalidTypeError", "NoBackendError", "compat", "__version__",
 ]
