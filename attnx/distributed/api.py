@@ -1,0 +1,59 @@
+"""`ring_attention`: exact attention over a sequence sharded across the ranks of a process group."""
+from __future__ import annotations
+
+from .allgather import AllGatherAttention
+from .ring import RingAttention
+from .validate import check_call, check_return_lse
+
+
+def ring_attention(q, k, v, *, group=None, sharding="zigzag", causal=False, window=None, offset=None, scale=None,
+                   softcap=None, alibi_slopes=None, sinks=None, layout="bhsd", backend=None, exchange="auto",
+                   return_lse=False):
+    """This rank's shard of exact attention over a sequence sharded across `group` (context parallelism).
+
+    Every rank of `group` calls it at the same time with its shard of one sequence of
+    ``S = P * S_local`` tokens (``P`` ranks), cut as `sharding` says (`attnx.distributed.shard`
+    makes the shards). Queries and keys are the same tokens (self-attention), so q, k and v
+    shards hold the same ``S_local`` rows.
+
+    Args:
+        q, k, v: the rank's shards, ``(B, Hq, S_local, D)``, ``(B, Hkv, S_local, D)``,
+            ``(B, Hkv, S_local, Dv)`` (``layout="bhsd"``) or ``(B, S_local, H, D)`` (``"bshd"``);
+            ``Hq % Hkv == 0``.
+        group: the ``torch.distributed`` process group (None: the default group).
+        sharding: ``"zigzag"`` (rank r holds chunks r and 2P-1-r of 2P: balanced for causal
+            masks; ``S_local`` even) or ``"contiguous"`` (rank r holds the r-th of P pieces).
+        causal, window, scale, softcap, alibi_slopes, sinks: as in `attnx.attention`, over
+            **global** positions: global query g sits at ``p_g = g + offset`` and sees global
+            key j iff the causal/window rules allow it; ALiBi adds ``-slope * |p_g - j|``.
+        offset: aligned position of global query 0; None is 0 (queries and keys are the
+            same tokens: bottom-right and top-left agree).
+        backend: the attnx backend for every block (None: the dispatcher chooses per block).
+        exchange: ``"ring"`` (K/V travel around the ring), ``"allgather"`` (every rank gathers
+            the whole K/V once) or ``"auto"``: `attnx.distributed.choose_exchange`.
+        return_lse: also return ``lse``, float32 ``(B, Hq, S_local)`` (not differentiable).
+
+    Returns:
+        ``out``, this rank's rows of the output, in q's dtype and layout; or ``(out, lse)``.
+
+    Gradients reach q, k, v (this rank's shards: dK/dV travel back around the ring, so each is
+    the gradient of the loss summed over every rank) and ``sinks`` (this rank's share, like any
+    replicated parameter's: sum over the group, as DDP/FSDP do, for the full gradient).
+    Every rank must call backward. Typed errors (`attnx.InvalidArgumentError`,
+    `attnx.InvalidTypeError`, `attnx.NoBackendError`) are raised before any K/V moves, on
+    every rank when any rank's arguments are rejected or the ranks disagree.
+
+    Equivalent PyTorch (``full`` gathers a sequence from every rank's shard)::
+
+        full = lambda t: attnx.distributed.gather(t, group=group, sharding=sharding)
+        out = attnx.attention(full(q), full(k), full(v), causal=causal, window=window,
+                              offset=0 if offset is None else offset, ...)
+        attnx.distributed.shard(out, rank, P, sharding=sharding)
+    """
+    check_return_lse(return_lse)
+    spec = check_call(q, k, v, group=group, sinks=sinks, sharding=sharding, causal=causal, window=window,
+                      offset=offset, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, layout=layout,
+                      backend=backend, exchange=exchange)
+    function = RingAttention if spec.exchange == "ring" else AllGatherAttention
+    out, lse = function.apply(spec, q, k, v, sinks)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,92 @@
+"""Ring attention as one autograd Function: K/V travel around the ring, dK/dV travel back with them.
+
+Forward, on rank r, step t = 0 .. P-1: hold the K/V block of rank ``r - t``, start sending it to
+rank ``r + 1`` (and receiving the next one from ``r - 1``), compute the rank's queries against
+it (`forward.forward_block`), then wait for the transfer. The partial results are merged
+exactly through their lse, online, as `attnx.merge` does.
+
+Backward, step t: the same K/V shift, plus the gradient accumulators of the block: rank r adds
+its queries' contribution to block ``r - t``'s dK/dV (received from rank ``r - 1``, which
+handled that block at step t - 1) and passes them on to rank ``r + 1``. After the last step
+one more shift brings every block's dK/dV home. The accumulators travel in float32 (float64
+for float64 inputs), so P hops do not round them P times.
+
+Memory per rank, beyond inputs and outputs: two K/V blocks (the one in hand, the next arriving)
+and, in the backward, three dK/dV blocks (this rank's share being computed, the block's
+accumulators arriving, the previous block's leaving): what overlapping every transfer with
+compute costs.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..inputs import sinks_grad
+from .backward import backward_block
+from .buffers import as_bhsd, backward_setup, grad_like, key_accumulators, new_outputs, own_kv
+from .exchange import Ring
+from .forward import finish, forward_block, new_partials
+from .schedule import pairs
+from .spec import RingSpec
+
+TAG_KV, TAG_DKV = 10, 20  # message tags: k/v are TAG + 0/1
+
+
+class RingAttention(torch.autograd.Function):
+    """``apply(spec, q, k, v, sinks)`` -> ``(out, lse)`` of this rank's shard (``lse`` not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, spec: RingSpec, q, k, v, sinks):
+        qh = as_bhsd(spec.layout, q)
+        kv = own_kv(spec, k, v)
+        size, rank = spec.world_size, spec.rank
+        ring = Ring(spec.group, rank, size, q.device) if size > 1 else None
+        q_chunks = spec.chunks(rank)
+        out, lse = new_outputs(spec, q, qh.shape[1], v.shape[-1])
+        partials = new_partials(q_chunks, out)
+        for step in range(size):
+            pending = ring.shift(kv, TAG_KV) if step < size - 1 else None
+            forward_block(spec, qh, kv[0], kv[1], q_chunks, spec.chunks((rank - step) % size), partials)
+            if pending is not None:
+                kv = pending.wait()
+        finish(q_chunks, partials, sinks, out, lse)
+        out = as_bhsd(spec.layout, out)  # back to the caller's layout
+        ctx.spec = spec
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, _dlse):
+        spec: RingSpec = ctx.spec
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        qh, douth, delta, dq = backward_setup(spec, q, out, dout)
+        acc = dq.dtype
+        kv = own_kv(spec, k, v)
+        size, rank = spec.world_size, spec.rank
+        ring = Ring(spec.group, rank, size, q.device) if size > 1 else None
+        q_chunks = spec.chunks(rank)
+        grads = passing = None  # dK/dV of the block in hand; the transfer bringing the next block's
+        for step in range(size):
+            k_chunks = spec.chunks((rank - step) % size)
+            kv_pending = ring.shift(kv, TAG_KV) if step < size - 1 else None
+            mine = None
+            if step == 0 or any(True for _ in pairs(spec, q_chunks, k_chunks)):
+                mine = key_accumulators(kv[0], kv[1], acc)
+                backward_block(spec, qh, kv[0], kv[1], douth, lse, delta, q_chunks, k_chunks, dq, *mine)
+            if passing is None:
+                grads = mine
+            else:  # the block's dK/dV from the ranks before this one, plus this rank's share
+                grads = passing.wait()
+                if mine is not None:
+                    grads[0].add_(mine[0])
+                    grads[1].add_(mine[1])
+            if ring is not None:  # on to the next rank (after the last step: home to the block's owner)
+                passing = ring.shift(grads, TAG_DKV)
+            if kv_pending is not None:
+                kv = kv_pending.wait()
+        if passing is not None:
+            grads = passing.wait()
+        dsinks = sinks_grad(sinks, lse, delta).to(sinks.dtype) if ctx.needs_input_grad[4] else None
+        return (None, grad_like(spec.layout, dq, q.dtype), grad_like(spec.layout, grads[0], k.dtype),
+                grad_like(spec.layout, grads[1], v.dtype), dsinks)

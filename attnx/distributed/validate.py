@@ -1,0 +1,134 @@
+"""Checks of a ring call, all before any K/V moves.
+
+1. The process group (`group.resolve_group`): raised at once, nothing can be exchanged without it.
+2. The rank's own arguments: the contract of `attnx.attention` on the shard (`attnx.make_problem`),
+   the ring's own options, and whether the backend accepts every block this rank will compute.
+3. One small all-gather of each rank's signature: when a rank's arguments were rejected, or the
+   ranks disagree (shapes, dtype, options, whether gradients are needed), every rank raises,
+   so no rank is left waiting in the ring.
+"""
+from __future__ import annotations
+
+import operator
+import zlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..api import plan
+from ..errors import AttnxError, InvalidArgumentError, InvalidTypeError
+from ..problem import make_problem
+from ..registry import get_backend
+from .schedule import SOME, pairs
+from .group import resolve_group
+from .rule import EXCHANGES, choose_exchange
+from .sharding import check_shard_length, check_sharding
+from .spec import RingSpec
+
+_FIELDS = ("rejected", "batch", "heads_q", "heads_kv", "shard length", "head_dim", "head_dim_v", "dtype",
+           "layout", "sharding", "exchange", "needs_grad", "sinks", "alibi_slopes", "options")
+_CODES = {"bhsd": 0, "bshd": 1, "zigzag": 0, "contiguous": 1, "ring": 0, "allgather": 1}
+_DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def _check_backend_accepts(spec: RingSpec, q, k, v) -> None:
+    """Ask the dispatcher (`attnx.plan`) about every distinct block this rank will compute: NoBackendError now."""
+    asked = set()
+    q_chunks = spec.chunks(spec.rank)
+    with torch.no_grad():  # blocks run inside the autograd Function, without grad
+        for src in range(spec.world_size):
+            for _, qc, kc, seen in pairs(spec, q_chunks, spec.chunks(src)):
+                positional = seen == SOME or spec.alibi_slopes is not None
+                offset = qc.position + spec.offset - kc.position if positional else None
+                if (seen, offset) in asked:
+                    continue
+                asked.add((seen, offset))
+                plan(q.narrow(2, qc.start, qc.length), k.narrow(2, kc.start, kc.length),
+                     v.narrow(2, kc.start, kc.length), window=(spec.window_left, spec.window_right)
+                     if seen == SOME else None, offset=offset, scale=spec.scale, softcap=spec.softcap,
+                     alibi_slopes=spec.alibi_slopes, backend=spec.backend)
+
+
+def local_spec(q, k, v, group, rank, world_size, *, sharding, causal, window, offset, scale, softcap,
+               alibi_slopes, sinks, layout, backend, exchange) -> RingSpec:
+    """The rank's checked `RingSpec` (typed errors for its own arguments; no communication)."""
+    p = make_problem(q, k, v, causal=causal, window=window, offset=offset, scale=scale, softcap=softcap,
+                     alibi_slopes=alibi_slopes, sinks=sinks, layout=layout)
+    if p.seqlen_q != p.seqlen_k:
+        raise InvalidArgumentError(f"q, k and v shards must hold the same tokens: q has {p.seqlen_q} rows, "
+                                   f"k and v {p.seqlen_k}")
+    check_shard_length(p.seqlen_q, check_sharding(sharding))
+    if exchange not in EXCHANGES:
+        raise InvalidArgumentError(f"`exchange` must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
+    if backend is not None:
+        get_backend(backend)  # unknown names raise
+    if exchange == "auto":
+        kv_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
+        exchange = choose_exchange(world_size, q.numel() * q.element_size(), kv_bytes)
+    spec = RingSpec(group=group, rank=rank, world_size=world_size, sharding=sharding, layout=layout,
+                    shard_len=p.seqlen_q, scale=p.scale, softcap=p.softcap, window_left=p.window_left,
+                    window_right=p.window_right, offset=0 if offset is None else operator.index(offset),
+                    alibi_slopes=alibi_slopes, backend=backend, exchange=exchange)
+    bhsd = [t.transpose(1, 2) if layout == "bshd" else t for t in (q, k, v)]
+    _check_backend_accepts(spec, *bhsd)
+    return spec
+
+
+def _signature(spec: Optional[RingSpec], q, k, v, sinks) -> list[int]:
+    if spec is None:
+        return [1] + [0] * (len(_FIELDS) - 1)
+    options = repr((spec.window_left, spec.window_right, spec.offset, spec.scale, spec.softcap, spec.backend))
+    heads = 1 if spec.layout == "bhsd" else 2
+    return [0, q.shape[0], q.shape[heads], k.shape[heads], spec.shard_len, q.shape[-1], v.shape[-1], _DTYPES[q.dtype],
+            _CODES[spec.layout], _CODES[spec.sharding], _CODES[spec.exchange], int(_needs_grad(q, k, v, sinks)),
+            int(sinks is not None), int(spec.alibi_slopes is not None), zlib.crc32(options.encode())]
+
+
+def _agree(group, world_size: int, mine: list[int], device) -> list[list[int]]:
+    t = torch.tensor(mine, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(t) for _ in range(world_size)]
+    dist.all_gather(gathered, t, group=group)
+    return [g.tolist() for g in gathered]
+
+
+def _signature_device(group) -> torch.device:
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_call(q, k, v, *, group, sinks, **options) -> RingSpec:
+    """The call's `RingSpec`, the same on every rank of the group, or a typed error on every rank."""
+    group, rank, world_size = resolve_group(group)
+    spec, error = None, None
+    try:
+        spec = local_spec(q, k, v, group, rank, world_size, sinks=sinks, **options)
+    except AttnxError as e:  # typed errors are the rank's own argument errors: tell the others first
+        error = e
+    if world_size == 1:
+        if error is not None:
+            raise error
+        return spec
+    rows = _agree(group, world_size, _signature(spec, q, k, v, sinks), _signature_device(group))
+    if error is not None:
+        raise error
+    rejected = [r for r, row in enumerate(rows) if row[0]]
+    if rejected:
+        raise InvalidArgumentError(f"rank(s) {rejected} rejected their arguments (see the error raised there); "
+                                   "no K/V was exchanged")
+    differ = [name for i, name in enumerate(_FIELDS) if len({row[i] for row in rows}) > 1]
+    if differ:
+        raise InvalidArgumentError("the ranks of the group called ring attention with different "
+                                   + ", ".join(differ) + "; every rank must pass shards of one shape and the same "
+                                   "options (and all or none of them need gradients)")
+    return spec
+
+
+def check_return_lse(return_lse) -> None:
+    if not isinstance(return_lse, bool):
+        raise InvalidTypeError(f"`return_lse` must be a bool, got {return_lse!r}")

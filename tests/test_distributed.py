@@ -1,0 +1,335 @@
+"""attnx.distributed: ring attention over gloo (spawned processes) against single-process attnx.
+
+Each world size (2 and 4) is one spawn of processes that runs every case below and writes what
+it found; the tests then read it, one test per (world size, case). Every rank builds the same
+full tensors from one seed, computes the single-process result with `attnx.attention`, runs
+`ring_attention` on its shard and compares its rows of out, lse, dq, dk and dv (and the dsinks
+summed over the ranks) within float32 tolerance.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+
+import attnx
+from attnx.distributed import (ALLGATHER_MAX_BYTES, choose_exchange, gather, ring_attention, shard,
+                               shard_positions, unshard)
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+SPAWN_TIMEOUT_S = 100
+
+# name -> shapes and options; "S" is the global length (a multiple of 2P for P = 2, 4)
+CASES = {
+    "causal_zigzag": dict(causal=True),
+    "causal_contiguous_gqa_bshd": dict(causal=True, sharding="contiguous", heads_kv=2, layout="bshd"),
+    "window_zigzag": dict(window=(5, 3)),
+    "causal_window_contiguous_gqa_dv": dict(causal=True, window=(6, None), sharding="contiguous", heads_kv=1,
+                                            head_dim_v=12),
+    "softcap_alibi_causal_zigzag": dict(causal=True, softcap=2.0, alibi="heads"),
+    "alibi_batch_contiguous_bshd_allgather": dict(alibi="batch", sharding="contiguous", layout="bshd",
+                                                  exchange="allgather"),
+    "sinks_causal_zigzag_gqa": dict(causal=True, sinks=True, heads_kv=2),
+    "allgather_causal_zigzag_gqa_bshd": dict(causal=True, heads_kv=2, layout="bshd", exchange="allgather"),
+    "allgather_window_offset": dict(window=(4, 2), offset=3, exchange="allgather"),
+    "offset_window_zigzag": dict(window=(4, 2), offset=3),
+    "full_zigzag_naive": dict(backend="naive"),
+    "causal_zigzag_blocked": dict(causal=True, backend="blocked", heads_kv=2, S=64),
+    "masked_ranks_ring": dict(causal=True, sharding="contiguous", offset="-half"),
+    "masked_ranks_sinks_allgather": dict(causal=True, sharding="contiguous", offset="-half", sinks=True,
+                                         exchange="allgather"),
+    "forward_only_no_grad": dict(causal=True, grad=False),
+    "default_tiles_causal_zigzag_gqa": dict(causal=True, heads_kv=2, tiles=None),
+    "bfloat16_causal_zigzag_gqa_bshd": dict(causal=True, heads_kv=2, layout="bshd", dtype=torch.bfloat16),
+    "float64_window_sinks_allgather": dict(window=(5, 3), sinks=True, dtype=torch.float64, exchange="allgather"),
+}
+# float32 is the contract; bfloat16 also rounds each block's output before the merge, and
+# float64 is limited by the float32 lse the backends return
+TOLERANCES = {torch.float32: TOL, torch.bfloat16: dict(atol=3e-2, rtol=3e-2), torch.float64: dict(atol=1e-6, rtol=1e-6)}
+# the backward's score tiles, small and odd so every case crosses row and column tile edges
+TINY_TILES = (1, 3)  # (TILE_ELEMENTS, MIN_TILE)
+
+
+def _inputs(case: dict, world: int):
+    g = torch.Generator().manual_seed(1234)
+    batch, heads_q, seq, dim = 2, 4, case.get("S", 32), 8
+    heads_kv, dim_v = case.get("heads_kv", heads_q), case.get("head_dim_v", dim)
+    layout = case.get("layout", "bhsd")
+
+    def rand(heads, width):
+        t = torch.randn(batch, heads, seq, width, generator=g)
+        return t.transpose(1, 2).contiguous() if layout == "bshd" else t
+
+    dtype = case.get("dtype", torch.float32)
+    q, k, v, dout = (t.to(dtype) for t in (rand(heads_q, dim), rand(heads_kv, dim), rand(heads_kv, dim_v),
+                                            rand(heads_q, dim_v)))
+    options = dict(causal=case.get("causal", False), window=case.get("window"), softcap=case.get("softcap"),
+                   layout=layout)
+    offset = case.get("offset")
+    options["offset"] = -(seq // 2) if offset == "-half" else offset
+    if case.get("alibi") == "heads":
+        options["alibi_slopes"] = torch.rand(heads_q, generator=g) * 0.5
+    elif case.get("alibi") == "batch":
+        options["alibi_slopes"] = torch.rand(batch, heads_q, generator=g) * 0.5
+    sinks = torch.randn(heads_q, generator=g) if case.get("sinks") else None
+    return q, k, v, dout, sinks, options
+
+
+def _check_case(case: dict, rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from attnx.distributed import backward as tiles
+
+    defaults = (tiles.TILE_ELEMENTS, tiles.MIN_TILE)
+    tiles.TILE_ELEMENTS, tiles.MIN_TILE = case.get("tiles", TINY_TILES) or defaults
+    try:
+        _compare(case, rank, world, dist)
+    finally:
+        tiles.TILE_ELEMENTS, tiles.MIN_TILE = defaults
+
+
+def _compare(case: dict, rank: int, world: int, dist) -> None:
+    q, k, v, dout, sinks, options = _inputs(case, world)
+    sharding, dim = case.get("sharding", "zigzag"), 1 if options["layout"] == "bshd" else 2
+    grad = case.get("grad", True)
+    backend = case.get("backend")
+    full = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+    ref_sinks = sinks.clone().requires_grad_(grad) if sinks is not None else None
+    ref_options = dict(options, offset=options["offset"] or 0)
+    with torch.set_grad_enabled(grad):
+        ref_out, ref_lse = attnx.attention(*full, sinks=ref_sinks, return_lse=True, **ref_options)
+        if grad:
+            ref_out.backward(dout)
+
+    part = [shard(t, rank, world, sharding=sharding, dim=dim).clone().requires_grad_(grad) for t in (q, k, v)]
+    my_sinks = sinks.clone().requires_grad_(grad) if sinks is not None else None
+    with torch.set_grad_enabled(grad):
+        out, lse = ring_attention(*part, sharding=sharding, sinks=my_sinks, backend=backend,
+                                  exchange=case.get("exchange", "ring"), return_lse=True, **options)
+        if grad:
+            out.backward(shard(dout, rank, world, sharding=sharding, dim=dim))
+
+    # every collective first, so a failed comparison on one rank leaves no other rank waiting
+    total_dsinks = None
+    if grad and sinks is not None:
+        total_dsinks = my_sinks.grad.clone()
+        dist.all_reduce(total_dsinks)
+    gathered_q = gather(part[0].detach(), sharding=sharding, dim=dim)
+
+    mine = lambda t, d=dim: shard(t, rank, world, sharding=sharding, dim=d)  # noqa: E731
+    tol = TOLERANCES[q.dtype]
+    torch.testing.assert_close(out, mine(ref_out), **tol, msg="out")
+    lse_tol = TOL if q.dtype != torch.bfloat16 else dict(atol=1e-3, rtol=1e-3)  # docs/semantics.md: accuracy
+    torch.testing.assert_close(lse, mine(ref_lse, 2), **lse_tol, msg="lse")
+    if options["offset"] is not None and options["offset"] < 0 and rank == 0:  # this rank's queries see nothing
+        assert sinks is not None or bool((lse == float("-inf")).all()), "rank 0 should see no key"
+    if grad:
+        for name, a, b in zip("qkv", part, full):
+            torch.testing.assert_close(a.grad, mine(b.grad), **tol, msg=f"d{name}")
+        if sinks is not None:
+            torch.testing.assert_close(total_dsinks, ref_sinks.grad, **tol, msg="dsinks summed over ranks")
+    torch.testing.assert_close(gathered_q, q, msg="gather(shard(q)) == q")
+
+
+def _check_errors(rank: int, world: int) -> None:
+    """Rejected arguments raise typed errors on every rank, and the group stays usable."""
+    q = torch.randn(1, 2, 8, 4)
+    # shapes differ between ranks: every rank raises
+    mine = q if rank == 0 else torch.randn(1, 2, 16, 4)
+    with pytest.raises(attnx.InvalidArgumentError, match="different shard length"):
+        ring_attention(mine, mine, mine)
+    # one rank's own arguments are wrong: it raises its error, the others say which rank
+    v = q.double() if rank == 1 else q
+    error = attnx.InvalidTypeError if rank == 1 else attnx.InvalidArgumentError
+    with pytest.raises(error):
+        ring_attention(q, q, v)
+    # gradients needed on one rank only would leave the others out of the backward
+    with pytest.raises(attnx.InvalidArgumentError, match="needs_grad"):
+        ring_attention(q.clone().requires_grad_(rank == 0), q, q)
+    out = ring_attention(q, q, q, causal=True)  # still works
+    assert out.shape == q.shape
+
+
+def _worker(rank: int, world: int, port: int, outdir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    found = {}
+    try:
+        for name in list(CASES) + ["errors"]:
+            start = time.perf_counter()
+            try:
+                if name == "errors":
+                    _check_errors(rank, world)
+                else:
+                    _check_case(CASES[name], rank, world)
+                found[name] = {"ok": True, "s": time.perf_counter() - start}
+            except Exception:  # noqa: BLE001 - reported to the test
+                found[name] = {"ok": False, "error": traceback.format_exc()}
+            dist.barrier()
+    finally:
+        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+            json.dump(found, f)
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_RESULTS: dict = {}
+
+
+def _results(world: int, tmp_path_factory) -> dict:
+    if world in _RESULTS and _RESULTS[world] is None:
+        pytest.fail(f"the ring workers of world size {world} failed (see the first test of that size)")
+    if world not in _RESULTS:
+        import torch.multiprocessing as mp
+
+        outdir = str(tmp_path_factory.mktemp(f"ring{world}"))
+        context = mp.start_processes(_worker, args=(world, _free_port(), outdir), nprocs=world, join=False,
+                                     start_method="spawn")
+        deadline = time.monotonic() + SPAWN_TIMEOUT_S
+        _RESULTS[world] = None  # a spawn that fails is not repeated by every test
+        try:
+            while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ring workers (world size {world}) ran past {SPAWN_TIMEOUT_S} s")
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.terminate()
+        merged = {}
+        for rank in range(world):
+            with open(os.path.join(outdir, f"rank{rank}.json")) as f:
+                for name, result in json.load(f).items():
+                    merged.setdefault(name, {})[rank] = result
+        _RESULTS[world] = merged
+    return _RESULTS[world]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", list(CASES) + ["errors"])
+def test_ring_matches_single_process(world, case, tmp_path_factory):
+    per_rank = _results(world, tmp_path_factory)[case]
+    failures = {r: res["error"] for r, res in per_rank.items() if not res["ok"]}
+    assert not failures, "\n".join(f"rank {r}:\n{e}" for r, e in failures.items())
+
+
+# -- in one process: helpers, the size rule, errors raised before any communication ----------------
+@pytest.mark.parametrize("sharding", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_shard_unshard_round_trip(sharding, world):
+    x = torch.arange(2 * 3 * 24 * 2).reshape(2, 3, 24, 2)
+    shards = [shard(x, r, world, sharding=sharding) for r in range(world)]
+    assert torch.equal(unshard(shards, sharding=sharding), x)
+    positions = torch.cat([shard_positions(r, world, 24, sharding=sharding) for r in range(world)])
+    assert sorted(positions.tolist()) == list(range(24))
+    for r in range(world):
+        assert torch.equal(shards[r][0, 0, :, 0] // 2, shard_positions(r, world, 24, sharding=sharding))
+
+
+def test_zigzag_holds_chunks_r_and_2p_minus_1_minus_r():
+    assert shard_positions(1, 4, 16).tolist() == [2, 3, 12, 13]
+    assert shard(torch.arange(16), 1, 4, dim=0).tolist() == [2, 3, 12, 13]
+    assert shard(torch.arange(16), 1, 4, sharding="contiguous", dim=0).tolist() == [4, 5, 6, 7]
+
+
+def test_shard_errors():
+    with pytest.raises(attnx.InvalidArgumentError, match="multiple of 8"):
+        shard(torch.zeros(1, 1, 12, 1), 0, 4)
+    with pytest.raises(attnx.InvalidArgumentError, match="sharding"):
+        shard(torch.zeros(1, 1, 8, 1), 0, 2, sharding="striped")
+    with pytest.raises(attnx.InvalidArgumentError, match="rank"):
+        shard(torch.zeros(1, 1, 8, 1), 2, 2)
+    with pytest.raises(attnx.InvalidTypeError):
+        shard([1, 2], 0, 1)
+
+
+def test_size_rule():
+    assert choose_exchange(1, 1, 1) == "ring"
+    assert choose_exchange(4, 1 << 20, 1 << 20) == "allgather"                  # small K/V
+    assert choose_exchange(4, 1 << 20, ALLGATHER_MAX_BYTES) == "ring"          # large K/V
+    assert choose_exchange(4, 1 << 30, 1 << 27) == "allgather"                  # GQA-heavy: K/V << q
+
+
+def _spec(world, rank, sharding, shard_len, causal=True, window=(None, None), offset=0):
+    from attnx.distributed.spec import RingSpec
+
+    left, right = window
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return RingSpec(group=None, rank=rank, world_size=world, sharding=sharding, layout="bhsd", shard_len=shard_len,
+                    scale=1.0, softcap=None, window_left=left, window_right=right, offset=offset, alibi_slopes=None,
+                    backend=None, exchange="ring")
+
+
+def _scheduled_area(spec) -> tuple[int, int]:
+    """(pairs computed, query x key cells they cover) by one rank over the whole ring."""
+    from attnx.distributed.schedule import pairs
+
+    count = area = 0
+    for src in range(spec.world_size):
+        for _, qc, kc, _seen in pairs(spec, spec.chunks(spec.rank), spec.chunks(src)):
+            count += 1
+            area += qc.length * kc.length
+    return count, area
+
+
+def test_zigzag_balances_causal_work_and_skips_hidden_blocks():
+    world, shard_len = 4, 8
+    zigzag = [_scheduled_area(_spec(world, r, "zigzag", shard_len)) for r in range(world)]
+    contiguous = [_scheduled_area(_spec(world, r, "contiguous", shard_len)) for r in range(world)]
+    assert len({area for _, area in zigzag}) == 1          # every rank the same work
+    assert [count for count, _ in contiguous] == [1, 2, 3, 4]  # rank r skips the blocks after it
+    # nothing at all for a rank whose queries come before every key
+    assert _scheduled_area(_spec(world, 0, "contiguous", shard_len, offset=-shard_len)) == (0, 0)
+    # a window reaches one block back
+    assert _scheduled_area(_spec(world, 3, "contiguous", shard_len, window=(2, 0))) == (2, 2 * shard_len ** 2)
+
+
+def test_visibility():
+    from attnx.distributed.schedule import ALL, NONE, SOME, visibility
+
+    assert visibility(8, 4, 0, 4, None, 0) == ALL      # keys wholly before the queries
+    assert visibility(0, 4, 0, 4, None, 0) == SOME     # the diagonal
+    assert visibility(0, 4, 4, 4, None, 0) == NONE     # keys wholly after
+    assert visibility(8, 4, 0, 4, 2, 0) == NONE        # out of the window's reach
+    assert visibility(8, 4, 4, 4, 8, None) == ALL
+    assert visibility(0, 0, 0, 4, None, None) == NONE  # an empty chunk
+
+
+def test_errors_before_any_communication():
+    """Without a process group: argument errors first, then the missing group, never a hang."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(attnx.InvalidArgumentError, match="not initialized"):
+        ring_attention(q, q, q)
+    with pytest.raises(attnx.InvalidTypeError, match="return_lse"):
+        ring_attention(q, q, q, return_lse=1)
+    with pytest.raises(attnx.InvalidTypeError, match="group"):
+        ring_attention(q, q, q, group="world")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="measures through Linux's /proc")
+def test_memory_benchmark_runs(tmp_path):
+    """benchmarks/ring_memory.py end to end at a toy size (its numbers are committed, not asserted)."""
+    from benchmarks import ring_memory
+
+    ring_memory.main(["--seqlen", "256", "--worlds", "1", "2", "--problems", "2x1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "ring_memory.json").read_text())
+    assert {(r["world"], r["rank"]) for r in result["ranks"]} == {(1, 0), (2, 0), (2, 1)}
+    assert all(r["ring"]["peak_bytes"] >= 0 for r in result["ranks"])
+    assert "| 2 | allgather |" in (tmp_path / "ring_memory.md").read_text()
