@@ -15,7 +15,55 @@ them as `attnx.merge` does, the sink joining there as one more part of value 0.
 import triton
 import triton.language as tl
 
-from .kernels_common import KV_PAGED, LN2, LOG2E, dot, kv_offsets, seq_info, tanh
+from .kernels_common import KV_PAGED, LN2, LOG2E, dot, seq_info, tanh
+
+
+@triton.jit
+def _decode_blocks(acc, l_i, m_i, q, k_base, v_base, pt_row, start, stop, page_size, num_pages,
+                   stride_kp, stride_kn, stride_kd, stride_vp, stride_vn, stride_vd, offs_d, d_k, d_v,
+                   pos, slope2, scale, softcap, window_left, window_right,
+                   BLOCK_N: tl.constexpr, PAGED: tl.constexpr):
+    """Keys [start, stop) of one sequence into the online softmax of the program's rows.
+
+    Contiguous keys (dense, packed, cache): pointers step BLOCK_N rows per block. Paged: each
+    block's rows come from the page table (read only below `stop`; pages clamped into the pool).
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    k_ptrs = k_base + (start + offs_n).to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = v_base + (start + offs_n).to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    k_step = BLOCK_N * stride_kn  # (a key row's stride times 16..64 stays far inside int32)
+    v_step = BLOCK_N * stride_vn
+    for n in range(0, (tl.maximum(stop - start, 0) + BLOCK_N - 1) // BLOCK_N):
+        offs_kn = start + n * BLOCK_N + offs_n
+        inside = offs_kn < stop
+        if PAGED:
+            page = tl.load(pt_row + offs_kn // page_size, mask=inside, other=0)
+            page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+            within = (offs_kn % page_size).to(tl.int64)
+            k_ptrs = k_base + (page * stride_kp + within * stride_kn)[:, None] + offs_d[None, :] * stride_kd
+            v_ptrs = v_base + (page * stride_vp + within * stride_vn)[:, None] + offs_d[None, :] * stride_vd
+        k = tl.load(k_ptrs, mask=inside[:, None] & d_k, other=0.0)
+        qk = dot(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32))
+        # docs/semantics.md order: scale -> softcap -> alibi -> window
+        s = qk * scale
+        if softcap > 0.0:
+            s = softcap * tanh(s / softcap)
+        s2 = s * LOG2E - slope2[:, None] * tl.abs(pos[:, None] - offs_kn[None, :]).to(tl.float32)
+        allowed = (inside[None, :] & (offs_kn[None, :] >= pos[:, None] - window_left)
+                   & (offs_kn[None, :] <= pos[:, None] + window_right))
+        s2 = tl.where(allowed, s2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s2, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s2 - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptrs, mask=inside[:, None] & d_v, other=0.0)
+        acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+        if not PAGED:
+            k_ptrs += k_step
+            v_ptrs += v_step
+    return acc, l_i, m_i
 
 
 # head_dim/head_dim_v stay specialised: a multiple of 16 lets the masked loads run 16 bytes wide
@@ -70,36 +118,23 @@ def attn_decode(Q, K, V, Out, Lse, PartOut, PartLse, Slopes, Sinks, CuQ, CuK, Se
     k_base = K + b_kv * stride_kb + h_kv * stride_kh + k_start.to(tl.int64) * stride_kn
     v_base = V + b_kv * stride_vb + h_kv * stride_vh + k_start.to(tl.int64) * stride_vn
     pt_row = PageTable + b * stride_pt_b
-    offs_n = tl.arange(0, BLOCK_N)
     d_k = offs_d[None, :] < head_dim
     d_v = offs_d[None, :] < head_dim_v
 
     m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    for n in range(0, (tl.maximum(stop - start, 0) + BLOCK_N - 1) // BLOCK_N):
-        offs_kn = start + n * BLOCK_N + offs_n
-        inside = offs_kn < stop
-        k_off, v_off = kv_offsets(offs_kn, stop, pt_row, kv_mode, page_size, num_pages, stride_kb, stride_kn,
-                                  stride_vb, stride_vn)
-        k = tl.load(k_base + k_off[:, None] + offs_d[None, :] * stride_kd, mask=inside[:, None] & d_k, other=0.0)
-        qk = dot(q, tl.trans(k), tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32))
-        # docs/semantics.md order: scale -> softcap -> alibi -> window
-        s = qk * scale
-        if softcap > 0.0:
-            s = softcap * tanh(s / softcap)
-        s2 = s * LOG2E - slope2[:, None] * tl.abs(pos[:, None] - offs_kn[None, :]).to(tl.float32)
-        allowed = (inside[None, :] & (offs_kn[None, :] >= pos[:, None] - window_left)
-                   & (offs_kn[None, :] <= pos[:, None] + window_right))
-        s2 = tl.where(allowed, s2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s2, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s2 - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + v_off[:, None] + offs_d[None, :] * stride_vd, mask=inside[:, None] & d_v, other=0.0)
-        acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+    # two copies of the key loop (one variant): neither has a branch on the format inside
+    if kv_mode == KV_PAGED:
+        acc, l_i, m_i = _decode_blocks(acc, l_i, m_i, q, k_base, v_base, pt_row, start, stop, page_size, num_pages,
+                                       stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, offs_d,
+                                       d_k, d_v, pos, slope2, scale, softcap, window_left, window_right,
+                                       BLOCK_N, True)
+    else:
+        acc, l_i, m_i = _decode_blocks(acc, l_i, m_i, q, k_base, v_base, pt_row, start, stop, page_size, num_pages,
+                                       stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, offs_d,
+                                       d_k, d_v, pos, slope2, scale, softcap, window_left, window_right,
+                                       BLOCK_N, False)
 
     # the row's place in lse's layout: (B, Hq, Sq) or (Hq, total_q); partials use the same index
     lse_row = b * stride_lse_b + h * stride_lse_h + q_rows
