@@ -96,4 +96,4 @@ def sinks_grad(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
     weight = torch.exp(sinks.float()[:, None] - lse)
     # a sink of -inf is no sink: its row may have lse = -inf too, and exp(-inf + inf) is NaN
     total = -torch.where(lse == float("-inf"), 0.0, weight * delta.float())
-    return total.reshape(-1, *total.shape[-2:]).sum(dim=(0, 2))
+    return total.movedim(-2, 0).reshape(total.shape[-2], -1).sum(dim=1)  # every row of each head
