@@ -105,3 +105,49 @@ def attention_reference(q, k, v, *, scale, softcap=None, alibi_slopes=None, mask
     lse = torch.logsumexp(torch.where(sees_a_key, s, torch.zeros_like(s)), dim=-1)
     lse = torch.where(sees_a_key.squeeze(-1), lse, torch.full_like(lse, float("-inf")))
     return out, lse
+
+
+def attention_reference_backward(q, k, v, out, lse, dout, *, scale, softcap=None, alibi_slopes=None, mask=None,
+                                 window_left=None, window_right=None, offset=None, sinks=None, compute_dtype=None):
+    """FlashAttention's backward of the formula: ``(dq, dk, dv, dscores, dsinks)`` in `compute_dtype`.
+
+    Probabilities are recomputed from the scores (``P = exp(s - lse)``, the sink in ``lse``) and
+    ``delta = rowsum(dout * out)`` comes from the forward's (rounded) ``out``, as in the kernels, so
+    its low-precision errors are those of a FlashAttention backward. ``lse`` is the forward's; only
+    the sinks' gradient reads it. ``dscores`` is the gradient of the
+    final scores (an additive mask's, before summing over broadcast dimensions); ``dsinks`` is None
+    without sinks.
+    """
+    from .inputs import sinks_grad
+
+    if compute_dtype is None:
+        compute_dtype = accumulation_dtype(q.dtype)
+    s = scores(q, k, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, mask=mask, window_left=window_left,
+               window_right=window_right, offset=offset, compute_dtype=compute_dtype)
+    # the row's log-normaliser, recomputed in compute_dtype (the forward's lse is float32 even for float64)
+    with_sink = s if sinks is None else torch.cat(
+        [s, sinks.to(compute_dtype).reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
+    lse_c = torch.logsumexp(with_sink, dim=-1, keepdim=True) if with_sink.shape[-1] else \
+        torch.full((*s.shape[:-1], 1), float("-inf"), dtype=compute_dtype, device=s.device)
+    dead = lse_c == float("-inf")  # rows that saw nothing (and no sink): P = 0, not exp(-inf + inf)
+    p = torch.where(dead, torch.zeros_like(s), torch.exp(s - torch.where(dead, torch.zeros_like(lse_c), lse_c)))
+    group = q.shape[1] // max(k.shape[1], 1)
+    k_rep = k.repeat_interleave(group, dim=1) if group > 1 else k
+    v_rep = v.repeat_interleave(group, dim=1) if group > 1 else v
+    dout = dout.to(compute_dtype)
+    delta = (dout * out.to(compute_dtype)).sum(-1, keepdim=True)
+    dv = torch.matmul(p.transpose(-2, -1), dout)
+    dp = torch.matmul(dout, v_rep.to(compute_dtype).transpose(-2, -1))
+    dscores = p * (dp - delta)
+    draw = dscores
+    if softcap is not None:
+        raw = torch.matmul(q.to(compute_dtype), k_rep.to(compute_dtype).transpose(-2, -1)) * scale
+        draw = dscores * (1 - torch.tanh(raw / softcap) ** 2)
+    dq = torch.matmul(draw, k_rep.to(compute_dtype)) * scale
+    dk = torch.matmul(draw.transpose(-2, -1), q.to(compute_dtype)) * scale
+    if group > 1:
+        b, hq, sk = dk.shape[0], dk.shape[1], dk.shape[2]
+        dk = dk.reshape(b, hq // group, group, sk, -1).sum(2)
+        dv = dv.reshape(b, hq // group, group, sk, -1).sum(2)
+    dsinks = None if sinks is None else sinks_grad(sinks, lse_c[..., 0], delta[..., 0]).float()
+    return dq, dk, dv, dscores, dsinks
