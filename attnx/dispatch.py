@@ -2,8 +2,10 @@
 
 Backends say what they accept (`Backend.reasons`) and where they stand
 (`Backend.rank`, from their `priority` tables); this module only orders them and
-caches the decision on the problem's dispatch key (`Problem.bucketed`), with the
-exact signature as a first, cheaper key (a hash, no rounding).
+caches the decision on the exact signature and on the problem's dispatch key
+(`Problem.bucketed`: lengths rounded to powers of two). A bucket hit is confirmed by
+the chosen backend's own `reasons` on the exact problem, so a growing decode length
+asks one backend per step and every backend once per doubling.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from .problem import Problem
 from .selection import allowed_backends
 
 _CACHE_LIMIT = 4096
-_cache: dict = {}
+_exact: dict = {}     # (problem, allowed, registry generation) -> backend: decided or confirmed for it
+_buckets: dict = {}   # (bucketed problem, allowed, generation) -> backend: a choice to confirm
 
 
 def priority(p: Problem) -> list[str]:
@@ -58,13 +61,16 @@ def choose(p: Problem, forced: Optional[str] = None):
     """The backend object that runs `p`; raises NoBackendError listing every reason."""
     allowed = (forced,) if forced is not None else allowed_backends()
     generation = registry.generation()
-    backend = _cache.get((p, allowed, generation))  # this exact signature decided before
+    exact_key = (p, allowed, generation)
+    backend = _exact.get(exact_key)
     if backend is not None:
         return backend
-    key = (p.bucketed(), allowed, generation)
-    backend = _cache.get(key)
-    if backend is not None:
-        _remember((p, allowed, generation), backend)
+    bucket_key = (p.bucketed(), allowed, generation)
+    backend = _buckets.get(bucket_key)
+    # A bucket's choice is confirmed by the chosen backend alone (~1 us): its limits may hang on
+    # exact sizes (Sq == Sk for a kernel's causal flag), which rounding cannot see.
+    if backend is not None and not backend.reasons(p):
+        _remember(_exact, exact_key, backend)
         return backend
     if forced is not None:
         registry.get_backend(forced)  # unknown names raise
@@ -82,16 +88,17 @@ def choose(p: Problem, forced: Optional[str] = None):
             message = "no registered backend accepts this problem"
         raise NoBackendError(message, declined)
     backend = registry.get_backend(chosen)
-    _remember(key, backend)
-    _remember((p, allowed, generation), backend)
+    _remember(_buckets, bucket_key, backend)
+    _remember(_exact, exact_key, backend)
     return backend
 
 
-def _remember(key, backend) -> None:
-    if len(_cache) >= _CACHE_LIMIT:
-        _cache.clear()
-    _cache[key] = backend
+def _remember(cache: dict, key, backend) -> None:
+    if len(cache) >= _CACHE_LIMIT:
+        cache.clear()
+    cache[key] = backend
 
 
 def clear_cache() -> None:
-    _cache.clear()
+    _exact.clear()
+    _buckets.clear()

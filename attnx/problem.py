@@ -179,9 +179,9 @@ class Problem(NamedTuple):
     def bucketed(self) -> "Problem":
         """The problem's dispatch key: lengths and offset rounded to powers of two.
 
-        Backends keep every length-dependent limit at a power of two, so a decision made
-        for one problem holds for its whole bucket (a decode loop's growing Sk re-asks
-        the backends once per doubling, not once per token).
+        Priorities are decided on it (so they are constant within a bucket); the dispatcher
+        reuses a bucket's choice after the chosen backend confirms the exact problem (a decode
+        loop's growing Sk asks every backend once per doubling, not once per token).
         """
         offset = self.offset
         if offset is not None:

@@ -208,14 +208,31 @@ def test_deterministic_algorithms_decline_nondeterministic_backward(clean_regist
 
 
 def test_growing_decode_length_does_not_re_ask(clean_registry, make_spy):
-    """The cache is keyed on power-of-two length buckets: a decode loop asks once per doubling."""
-    spy = attnx.register_backend(make_spy())
+    """Backends are asked once per power-of-two length bucket; the chosen one confirms each new length."""
+    chosen = attnx.register_backend(make_spy("chosen", priority={"*": 1000}))
+    other = attnx.register_backend(make_spy("other", priority={"*": 999}))
     q = torch.randn(1, 2, 1, 16)
     for sk in range(1000, 1030):
         k = torch.randn(1, 2, sk, 16)
-        attnx.attention(q, k, k, backend="spy")
-    assert spy.calls.count("reasons") == 2  # buckets 1024 and 2048
-    assert spy.calls.count("forward") == 30
+        attnx.attention(q, k, k)
+    assert other.calls.count("reasons") == 0  # never asked: the chosen one accepted first
+    assert chosen.calls.count("reasons") == 30 and chosen.calls.count("forward") == 30
+
+
+def test_a_bucket_hit_the_chosen_backend_declines_is_decided_again(clean_registry, make_spy):
+    """A backend whose limit hangs on an exact size (Sq == Sk) is never reused past it within a bucket."""
+    def square_only(self, p):
+        """Only Sq == Sk."""
+        return [] if p.seqlen_q == p.seqlen_k else ["Sq != Sk"]
+
+    square = attnx.register_backend(make_spy("square", priority={"*": 1000}, extra_reasons=square_only))
+    q, k = torch.randn(1, 2, 500, 16), torch.randn(1, 2, 500, 16)
+    attnx.attention(q, k, k, causal=True)
+    assert square.calls.count("forward") == 1
+    k2 = torch.randn(1, 2, 510, 16)  # same length bucket (512), Sq != Sk
+    out = attnx.attention(q, k2, k2, causal=True)
+    assert square.calls.count("forward") == 1  # another backend ran it
+    torch.testing.assert_close(out, attnx.attention(q, k2, k2, causal=True, backend="naive"))
 
 
 def test_priority_tables_order_backends(clean_registry, make_spy, qkv):
