@@ -10,6 +10,7 @@ cache and paged tensor formats (main kernel and split-KV decode kernel, forward 
 """
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -285,11 +286,24 @@ def _collect(results: dict, device: str = "cpu") -> None:
     _run_format_cases(results, device)
 
 
+def _compact(obj):
+    """`obj` with every tensor a fresh contiguous copy: no saved storage is shared or still in use."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone(memory_format=torch.contiguous_format)
+    if isinstance(obj, dict):
+        return {k: _compact(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_compact(v) for v in obj)
+    return obj
+
+
 def _run_cases(path: str) -> None:
     """Script mode (under TRITON_INTERPRET=1): every case through the triton backend, saved to `path`."""
     results = {}
     _collect(results)
-    torch.save(results, path)
+    buffer = io.BytesIO()
+    torch.save(_compact(results), buffer)
+    Path(path).write_bytes(buffer.getvalue())
 
 
 def _check_on(device: str) -> int:
