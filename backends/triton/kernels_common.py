@@ -79,26 +79,6 @@ def lse_log2(lse):
 
 
 @triton.jit
-def finish_rows(m_i, l_i, acc, sink2, has_sinks):
-    """``(out, lse)`` of finished rows (base-2 running max ``m_i`` and sum ``l_i``).
-
-    With sinks, ``sink2`` (the sink's logit times log2 e) is one more key of value 0. A row that saw
-    nothing (``l_i == 0``) gets out 0 and lse -inf (the sink with sinks); a NaN ``l_i`` stays NaN.
-    """
-    if has_sinks != 0:
-        m_new = tl.maximum(m_i, sink2)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.math.exp2(sink2 - m_use)
-        acc = acc * alpha[:, None]
-        m_i = m_use
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
-    return out, lse
-
-
-@triton.jit
 def load_rows(ptrs, rows, n_rows, offs_d, dim, DENSE: tl.constexpr, BOUNDARY: tl.constexpr):
     """A (rows, BLOCK_D) tile, zeros outside ``rows < n_rows`` and ``offs_d < dim``.
 

@@ -15,7 +15,7 @@ them as `attnx.merge` does, the sink joining there as one more part of value 0.
 import triton
 import triton.language as tl
 
-from .kernels_common import KV_PAGED, LN2, LOG2E, dot, finish_rows, seq_info, tanh
+from .kernels_common import KV_PAGED, LN2, LOG2E, dot, seq_info, tanh
 
 
 @triton.jit
@@ -139,10 +139,18 @@ def attn_decode(Q, K, V, Out, Lse, PartOut, PartLse, Slopes, Sinks, CuQ, CuK, Se
     # the row's place in lse's layout: (B, Hq, Sq) or (Hq, total_q); partials use the same index
     lse_row = b * stride_lse_b + h * stride_lse_h + q_rows
     if num_splits == 1:
-        sink2 = tl.zeros_like(m_i)
         if has_sinks != 0:
-            sink2 += tl.load(Sinks + h, mask=row_ok, other=float("-inf")) * LOG2E
-        out, lse = finish_rows(m_i, l_i, acc, sink2, has_sinks)
+            sink2 = tl.load(Sinks + h, mask=row_ok, other=float("-inf")) * LOG2E
+            m_new = tl.maximum(m_i, sink2)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.math.exp2(sink2 - m_use)
+            acc = acc * alpha[:, None]
+            m_i = m_use
+        # l_i == 0: saw nothing (out 0, lse -inf); a NaN l_i keeps the row NaN
+        empty = l_i == 0.0
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
         o_ptrs = Out + b * stride_ob + h[:, None] * stride_oh + q_rows[:, None] * stride_om + offs_d[None, :] * stride_od
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_v)
         tl.store(Lse + lse_row, lse, mask=row_ok)

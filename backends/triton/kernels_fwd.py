@@ -10,8 +10,7 @@ import triton.language as tl
 # Sizes vary with every call: compiling a kernel per value of their "== 1" / "% 16" properties would
 # recompile for new shapes. Strides stay specialised (their divisibility gives 16-byte loads).
 
-from .kernels_common import (KV_PAGED, LOG2E, block_range, dot, finish_rows, kv_offsets, load_rows, scores,
-                             seq_info, store_rows)
+from .kernels_common import KV_PAGED, LN2, LOG2E, block_range, dot, kv_offsets, load_rows, scores, seq_info, store_rows
 
 
 @triton.jit
@@ -129,11 +128,19 @@ def attn_fwd(Q, K, V, Out, Lse, Mask, Slopes, Sinks, CuQ, CuK, SeqlensK, PageTab
                                 key_offset, seqlen_q, seqlen_k, head_dim, head_dim_v, window_left, window_right,
                                 pt_row, kv_mode, page_size, num_pages, stride_kb, stride_vb, BLOCK_N, DENSE, True)
 
-    # the sink is one more key of score sinks[h] (not scaled or modified) and value 0
-    sink2 = tl.zeros_like(m_i)
     if has_sinks != 0:
-        sink2 += tl.load(Sinks + h) * LOG2E
-    out, lse = finish_rows(m_i, l_i, acc, sink2, has_sinks)
+        # the sink is one more key of score sinks[h] (not scaled or modified) and value 0
+        sink2 = tl.load(Sinks + h) * LOG2E
+        m_new = tl.maximum(m_i, sink2)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.math.exp2(sink2 - m_use)
+        acc = acc * alpha[:, None]
+        m_i = m_use
+    # l_i == 0: the row saw nothing (out 0, lse -inf); a NaN l_i (a NaN score) keeps the row NaN
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
     rows = q_start.to(tl.int64) + offs_m
     o_ptrs = Out + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :] * stride_od
     store_rows(o_ptrs, out.to(Out.dtype.element_ty), offs_m, seqlen_q, offs_d, head_dim_v, DENSE)
