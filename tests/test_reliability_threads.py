@@ -216,10 +216,8 @@ _TRITON_THREADS = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="Triton's CPU interpreter keeps launch state (the grid, the patched "
-                                       "triton.language) in globals: concurrent launches fail with InterpreterError; "
-                                       "attnx's triton launcher does not serialise them (docs/reliability.md, R2)")
 def test_eight_threads_triton_interpreter():
+    """R2 (fixed): the interpreter keeps launch state in globals; attnx's launcher serialises interpreted launches."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")

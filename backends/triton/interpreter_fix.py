@@ -4,10 +4,39 @@ It stores bf16 as uint16 and (1) its `create_dot` hands those bits straight to n
 (2) its float32 -> bf16 cast truncates instead of rounding to nearest even as GPUs do,
 which doubles the rounding error the conformance bounds are measured against.
 Applied once, at the first launch under TRITON_INTERPRET=1; compiled kernels are untouched.
+
+`serialised` also makes interpreted launches one at a time: the interpreter keeps a launch's state
+in module globals (the grid, a patched `triton.language`), so two threads launching at once fail
+(`InterpreterError('x >= grid_dim[0]')`, docs/reliability.md R2). Compiled launches take no lock.
 """
 from __future__ import annotations
 
 import functools
+import threading
+
+# re-entrant: the paged backward calls the backward again from inside its own launch section
+_INTERPRETER_LOCK = threading.RLock()
+
+
+def interpreted(kernel) -> bool:
+    """True when `kernel` (a @triton.jit function) runs on Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
+
+
+def serialised(kernel):
+    """Decorator: `fn` runs under one process-wide lock when `kernel` is interpreted, else as it is."""
+    def wrap(fn):
+        if not interpreted(kernel):
+            return fn
+
+        @functools.wraps(fn)
+        def locked(*args, **kwargs):
+            with _INTERPRETER_LOCK:
+                return fn(*args, **kwargs)
+        return locked
+    return wrap
 
 
 @functools.lru_cache(maxsize=None)

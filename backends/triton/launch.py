@@ -177,6 +177,7 @@ def _sm_count(device_type: str, index) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@interpreter_fix.serialised(attn_fwd)
 def forward(p, x):
     q, k, v = x.q, x.k, x.v
     bd, path, mask_t, mask_strides, slopes_t, slope_strides = _common(p, q, x.mask, x.alibi_slopes)
@@ -252,6 +253,7 @@ def _paged_as_cache(p, x):
     return p._replace(kv_format="cache", page_size=None), x.replace(k=k_c, v=v_c, page_table=None), rows
 
 
+@interpreter_fix.serialised(attn_fwd)
 def backward(p, x, out, lse, dout) -> Grads:
     if p.kv_format == "paged":
         p_c, x_c, rows = _paged_as_cache(p, x)
