@@ -10,6 +10,7 @@ and transformers entry points, and ``python -m attnx.doctor``.
 __version__ = "0.2.0"
 
 from .api import Plan, attention, explain, plan
+from .backward_api import attention_backward
 from .autograd import alloc_out, lse_shape, sum_to_shape
 from .backend import Backend
 from .dispatch import Decision
@@ -24,7 +25,7 @@ from .selection import use_backend
 from . import compat  # noqa: E402  (cheap: imports transformers or flash-attn shims only when used)
 
 __all__ = [
-    "attention", "explain", "plan", "Plan", "merge", "use_backend", "list_backends", "register_backend",
+    "attention", "attention_backward", "explain", "plan", "Plan", "merge", "use_backend", "list_backends", "register_backend",
     "unregister_backend", "registered", "get_backend", "registered_backends", "Backend", "Problem", "Inputs",
     "Grads", "Decision", "make_call", "make_problem", "alloc_out", "lse_shape", "sum_to_shape",
     "AttnxError", "InvalidArgumentError", "InvalidTypeError", "NoBackendError", "compat", "__version__",

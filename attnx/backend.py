@@ -49,6 +49,11 @@ class Backend:
     supports_softcap: ClassVar[bool] = True
     supports_backward: ClassVar[bool] = True
     deterministic: ClassVar[bool] = True
+    # dtypes for which `backward` computes the probabilities from the lse it is given, P = exp(s - lse),
+    # not from a normaliser it recomputes over its own keys: `attnx.attention_backward` (whose lse may
+    # come from a wider softmax, e.g. merged over ring-attention blocks) runs only these. float64 is
+    # left out by default: a float64 backward may refine the float32 lse over its own keys.
+    backward_uses_given_lse: ClassVar[frozenset] = frozenset({torch.float16, torch.bfloat16, torch.float32})
     uses_tf32: ClassVar[bool] = False                      # float32 products on TF32 units (looser bound)
     # features added to the contract later default to "not supported", so a backend
     # written before them declines instead of computing something else
