@@ -16,6 +16,7 @@ from .backend import Backend
 from .dispatch import Decision
 from .errors import AttnxError, InvalidArgumentError, InvalidTypeError, NoBackendError
 from .inputs import Grads, Inputs
+from .kvcache import CacheCapacityError, CachePlan, KVCache
 from .merge import merge
 from .problem import Problem, make_call, make_problem
 from .registry import (get_backend, list_backends, register_backend, registered, registered_backends,
@@ -25,7 +26,8 @@ from .selection import use_backend
 from . import compat  # noqa: E402  (cheap: imports transformers or flash-attn shims only when used)
 
 __all__ = [
-    "attention", "attention_backward", "explain", "plan", "Plan", "merge", "use_backend", "list_backends", "register_backend",
+    "attention", "attention_backward", "explain", "plan", "Plan", "merge", "KVCache", "CachePlan", "CacheCapacityError",
+    "use_backend", "list_backends", "register_backend",
     "unregister_backend", "registered", "get_backend", "registered_backends", "Backend", "Problem", "Inputs",
     "Grads", "Decision", "make_call", "make_problem", "alloc_out", "lse_shape", "sum_to_shape",
     "AttnxError", "InvalidArgumentError", "InvalidTypeError", "NoBackendError", "compat", "__version__",
