@@ -85,13 +85,33 @@ def _check_case(case: dict, rank: int, world: int) -> None:
     import torch.distributed as dist
 
     from attnx.distributed import backward as tiles
+    from attnx.distributed import block_backward
 
     defaults = (tiles.TILE_ELEMENTS, tiles.MIN_TILE)
     tiles.TILE_ELEMENTS, tiles.MIN_TILE = case.get("tiles", TINY_TILES) or defaults
+    ran = {"kernel": 0, "torch": 0}  # which rule computed the block backwards (block_backward.py)
+    originals = (block_backward.attention_backward, block_backward.backward_block)
+
+    def counted(path, function):
+        def call(*args, **kwargs):
+            result = function(*args, **kwargs)
+            ran[path] += 1
+            return result
+        return call
+
+    block_backward.attention_backward = counted("kernel", originals[0])
+    block_backward.backward_block = counted("torch", originals[1])
     try:
         _compare(case, rank, world, dist)
     finally:
         tiles.TILE_ELEMENTS, tiles.MIN_TILE = defaults
+        block_backward.attention_backward, block_backward.backward_block = originals
+    if case.get("grad", True) and case.get("offset") != "-half":
+        # the backends' own backward kernels with the global lse, unless none takes a given lse:
+        # float64 (by default) and naive (it recomputes its normaliser) fall back to the torch-ops rule
+        expected = "torch" if case.get("backend") == "naive" or case.get("dtype") == torch.float64 else "kernel"
+        other = "kernel" if expected == "torch" else "torch"
+        assert ran[expected] > 0 and ran[other] == 0, f"block backwards ran {ran}, expected on {expected}"
 
 
 def _compare(case: dict, rank: int, world: int, dist) -> None:

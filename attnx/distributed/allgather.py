@@ -12,11 +12,10 @@ from __future__ import annotations
 import torch
 
 from ..inputs import sinks_grad
-from .backward import backward_block
+from .block_backward import BlockBackward
 from .buffers import as_bhsd, backward_setup, grad_like, key_accumulators, new_outputs, own_kv
 from .exchange import all_gather_start, reduce_scatter
 from .forward import finish, forward_block, new_partials
-from .schedule import pairs
 from .spec import RingSpec
 
 
@@ -52,13 +51,12 @@ class AllGatherAttention(torch.autograd.Function):
         size = spec.world_size
         keys, values = gathered[:size], gathered[size:]
         qh, douth, delta, dq = backward_setup(spec, q, out, dout)
-        q_chunks = spec.chunks(spec.rank)
+        blocks = BlockBackward(spec, qh, as_bhsd(spec.layout, out), douth, lse, delta, dq)
         dks, dvs = [], []
         for src in range(size):
             dk, dv = key_accumulators(keys[src], values[src], dq.dtype)
-            if any(True for _ in pairs(spec, q_chunks, spec.chunks(src))):
-                backward_block(spec, qh, keys[src], values[src], douth, lse, delta, q_chunks, spec.chunks(src),
-                               dq, dk, dv)
+            if blocks.computes(spec.chunks(src)):
+                blocks.add(keys[src], values[src], spec.chunks(src), dk, dv)
             dks.append(dk)
             dvs.append(dv)
         dk, dv = reduce_scatter(dks, spec.group), reduce_scatter(dvs, spec.group)

@@ -5,27 +5,29 @@ rank ``r + 1`` (and receiving the next one from ``r - 1``), compute the rank's q
 it (`forward.forward_block`), then wait for the transfer. The partial results are merged
 exactly through their lse, online, as `attnx.merge` does.
 
-Backward, step t: the same K/V shift, plus the gradient accumulators of the block: rank r adds
-its queries' contribution to block ``r - t``'s dK/dV (received from rank ``r - 1``, which
-handled that block at step t - 1) and passes them on to rank ``r + 1``. After the last step
-one more shift brings every block's dK/dV home. The accumulators travel in float32 (float64
-for float64 inputs), so P hops do not round them P times.
+Backward, step t: the block's dK/dV accumulators come in from rank ``r - 1`` (which handled block
+``r - t`` at step t - 1; the block's owner starts them at zero), rank r starts the next K/V shift,
+adds its queries' share of the block's gradients into them on a backend's backward kernel
+(`block_backward.BlockBackward`: `attnx.attention_backward` with the global out and lse) and
+passes them on to rank ``r + 1``. After the last step one more shift brings every block's dK/dV
+home. The accumulators travel in float32 (float64 for float64 inputs), so P hops do not round
+them P times.
 
-Memory per rank, beyond inputs and outputs: two K/V blocks (the one in hand, the next arriving)
-and, in the backward, three dK/dV blocks (this rank's share being computed, the block's
-accumulators arriving, the previous block's leaving): what overlapping every transfer with
-compute costs.
+Memory per rank, beyond the saved tensors (q, k, v, out, lse) and dQ: while a block computes,
+the K/V block in hand, the next one arriving, and the block's dK/dV accumulators (added into in
+place). The K/V transfer overlaps the compute; the dK/dV transfer does not (the accumulators
+are awaited before the next K/V shift starts), which keeps a third K/V-sized pair of buffers
+out of the peak (docs/distributed.md, "Memory per rank").
 """
 from __future__ import annotations
 
 import torch
 
 from ..inputs import sinks_grad
-from .backward import backward_block
+from .block_backward import BlockBackward
 from .buffers import as_bhsd, backward_setup, grad_like, key_accumulators, new_outputs, own_kv
 from .exchange import Ring
 from .forward import finish, forward_block, new_partials
-from .schedule import pairs
 from .spec import RingSpec
 
 TAG_KV, TAG_DKV = 10, 20  # message tags: k/v are TAG + 0/1
@@ -61,30 +63,24 @@ class RingAttention(torch.autograd.Function):
         spec: RingSpec = ctx.spec
         q, k, v, sinks, out, lse = ctx.saved_tensors
         qh, douth, delta, dq = backward_setup(spec, q, out, dout)
-        acc = dq.dtype
+        blocks = BlockBackward(spec, qh, as_bhsd(spec.layout, out), douth, lse, delta, dq)
         kv = own_kv(spec, k, v)
         size, rank = spec.world_size, spec.rank
         ring = Ring(spec.group, rank, size, q.device) if size > 1 else None
-        q_chunks = spec.chunks(rank)
-        grads = passing = None  # dK/dV of the block in hand; the transfer bringing the next block's
+        passing = None  # the transfer bringing the dK/dV accumulators of the next block
         for step in range(size):
-            k_chunks = spec.chunks((rank - step) % size)
+            # the block's dK/dV from the ranks before this one (its owner starts them at zero); waiting
+            # here, before the next K/V shift starts, frees the accumulators this rank sent last step
+            grads = key_accumulators(kv[0], kv[1], dq.dtype) if passing is None else passing.wait()
+            passing = None
             kv_pending = ring.shift(kv, TAG_KV) if step < size - 1 else None
-            mine = None
-            if step == 0 or any(True for _ in pairs(spec, q_chunks, k_chunks)):
-                mine = key_accumulators(kv[0], kv[1], acc)
-                backward_block(spec, qh, kv[0], kv[1], douth, lse, delta, q_chunks, k_chunks, dq, *mine)
-            if passing is None:
-                grads = mine
-            else:  # the block's dK/dV from the ranks before this one, plus this rank's share
-                grads = passing.wait()
-                if mine is not None:
-                    grads[0].add_(mine[0])
-                    grads[1].add_(mine[1])
+            blocks.add(kv[0], kv[1], spec.chunks((rank - step) % size), *grads)
+            if kv_pending is not None:
+                kv = kv_pending.wait()  # the block in hand is released here
             if ring is not None:  # on to the next rank (after the last step: home to the block's owner)
                 passing = ring.shift(grads, TAG_DKV)
-            if kv_pending is not None:
-                kv = kv_pending.wait()
+                grads = None
+        del kv
         if passing is not None:
             grads = passing.wait()
         dsinks = sinks_grad(sinks, lse, delta).to(sinks.dtype) if ctx.needs_input_grad[4] else None
