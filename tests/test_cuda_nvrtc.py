@@ -70,7 +70,7 @@ def test_every_specialisation_compiles(target):
 
 
 def test_hopper_target_is_arch_specific():
-    assert f"{families.AMPERE.name}-sm_90a" in TARGETS
+    assert f"{families.HOPPER.name}-sm_90a" in TARGETS
     assert families.nvrtc_arch((9, 0)) == "sm_90a"
     assert [families.nvrtc_arch(c) for c in ((8, 0), (8, 6), (8, 9))] == ["sm_80", "sm_86", "sm_89"]
 
@@ -108,13 +108,48 @@ def test_launcher_requests_only_listed_variants():
 def test_variants_cover_every_head_dim_tile():
     for family in families.FAMILIES.values():
         kinds = {(v.kernel, v.head_dim) for v in variants.all_variants(family)}
-        for tile in variants.HEAD_DIM_TILES:
-            assert ("fwd", tile) in kinds and ("bwd", tile) in kinds
+        for kernel in ("fwd", "bwd"):
+            for tile in variants.TILE_SETS[(family.name, kernel)]:
+                assert (kernel, tile) in kinds
+
+
+@pytest.mark.parametrize("head_dim,tile", [(8, 64), (40, 64), (64, 64), (72, 128), (96, 128), (128, 128),
+                                           (136, 192), (192, 192), (200, 256), (256, 256)])
+def test_hopper_forward_pads_to_whole_panels(head_dim, tile):
+    assert variants.head_dim_tile(head_dim, head_dim, families.HOPPER, "fwd") == tile
+    assert variants.head_dim_tile(head_dim, 8, families.HOPPER, "fwd") == tile  # Dv below D: D decides
+    assert variants.head_dim_tile(300, 8, families.HOPPER, "fwd") is None
+
+
+def test_hopper_forward_tiles_fit_and_use_three_warpgroups():
+    shared = variants.max_shared((9, 0))
+    for v in variants.requestable(families.HOPPER, (9, 0)):
+        assert v.shared_bytes() <= shared
+        if v.kernel == "fwd":
+            assert v.hopper_forward and v.threads == 384 and v.block_m == 128
+            assert v.block_n % 16 == 0 and v.head_dim % 64 == 0
+            assert "-DOVERLAP=1" in v.defines() and "-DPINGPONG=1" in v.defines()
+
+
+def test_wgmma_header_is_generated_from_the_widths():
+    import importlib.util
+
+    script = cuda_compile.KERNEL_DIR / "sm90" / "gen_wgmma.py"
+    if not script.exists():
+        pytest.skip("an installed copy without the generator script")
+    spec = importlib.util.spec_from_file_location("gen_wgmma", script)
+    gen_wgmma = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen_wgmma)
+    assert gen_wgmma.HEADER.read_text() == gen_wgmma.render(), "run gen_wgmma.py after changing WIDTHS"
+    used = {v.block_n for v in variants.requestable(families.HOPPER, (9, 0)) if v.kernel == "fwd"}
+    used |= set(variants.PANEL_TILES)
+    assert used <= set(gen_wgmma.WIDTHS)
 
 
 def test_family_for_each_gpu():
     assert families.family_for((8, 0)) is families.AMPERE
-    assert families.family_for((9, 0)) is families.AMPERE
+    assert families.family_for((8, 9)) is families.AMPERE
+    assert families.family_for((9, 0)) is families.HOPPER
     assert families.family_for((7, 5)) is None and families.family_for((10, 0)) is None
 
 

@@ -14,10 +14,19 @@ from .variants import HEAD_DIM_TILES
 _LOWEST, _HIGHEST = capability_range()
 
 
+def _driver_bindings() -> bool:
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class CudaBackend(Backend):
     name = "cuda"
-    description = ("FlashAttention-2 forward and backward in CUDA C++ (mma.sync m16n8k16, ldmatrix, cp.async), "
-                   "compiled at run time by NVRTC through CuPy; NVIDIA sm_80..sm_90, fp16/bf16")
+    description = ("FlashAttention in CUDA C++ compiled at run time by NVRTC through CuPy, NVIDIA sm_80..sm_90, "
+                   "fp16/bf16: FlashAttention-2 kernels (mma.sync, ldmatrix, cp.async) for Ampere/Ada; on Hopper "
+                   "a warp-specialised wgmma + TMA forward (FlashAttention-3 style) and the Ampere backward")
     device_types = frozenset({"cuda"})
     vendors = frozenset({"nvidia"})
     min_capability = _LOWEST           # the span of the kernel families (families.py)
@@ -48,15 +57,19 @@ class CudaBackend(Backend):
         family = family_for(p.capability)
         if family is None:  # the declared capability range has gaps only if the families do
             return reasons + [f"no kernel family for {p.arch}"]
-        tile = head_dim_tile(p.head_dim, p.head_dim_v)
         mod = score_mod(p)
         bf16 = p.dtype == torch.bfloat16
         shared = max_shared(p.capability)
+        tile = head_dim_tile(p.head_dim, p.head_dim_v, family, "fwd")
         fwd = forward_variant(family, bf16, tile, mod, shared)
         if fwd is None:
             reasons.append(f"no forward tile for head dim {tile} fits {shared} bytes of shared memory")
         elif p.batch * p.heads_q * math.ceil(p.seqlen_q / fwd.block_m) > MAX_GRID:
             reasons.append("too many query blocks for one launch")
+        if family.tensor_maps and not _driver_bindings():
+            reasons.append(f"the {family.name} forward encodes TMA tensor maps through cuda-bindings, "
+                           "which is not installed (pip install cuda-bindings)")
+        tile = head_dim_tile(p.head_dim, p.head_dim_v, family, "bwd")
         if p.needs_grad and backward_variants(family, bf16, tile, mod, shared) is None:
             reasons.append(f"no backward tile for head dim {tile} fits {shared} bytes of shared memory")
         return reasons

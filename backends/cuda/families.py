@@ -1,8 +1,8 @@
 """Kernel families, declared as data: which GPUs each serves, its sources, how NVRTC targets it.
 
-A family is one implementation of the kernels (its own folder under ``kernels/``, sharing
-``kernels/common/``): the Ampere-class mma.sync kernels today; a Hopper wgmma/TMA family or
-split-KV variants are further records. Among the families that cover a GPU, the one of
+A family is one implementation of the kernels (its sources under ``kernels/``, sharing
+``kernels/common/``): the Ampere-class mma.sync kernels (sm_80..sm_89) and the Hopper family
+(sm_90: a wgmma/TMA warp-specialised forward, the Ampere backward built for sm_90a). Among the families that cover a GPU, the one of
 highest priority runs there. `nvrtc_arch` is the one place the ``-arch`` flag is derived.
 """
 from __future__ import annotations
@@ -15,11 +15,12 @@ ARCH_SPECIFIC = frozenset({(9, 0)})
 
 
 class Family(NamedTuple):
-    name: str                          # also the folder of its sources under kernels/
+    name: str                          # the family's tile tables in variants.py are keyed by it
     min_capability: tuple[int, int]
     max_capability: tuple[int, int]    # inclusive
     sources: Mapping[str, str]         # kernel kind ("fwd", "bwd") -> file under kernels/
     priority: int                      # among families covering a GPU, the highest runs
+    tensor_maps: bool = False          # the forward reads q/k/v and writes out through TMA tensor maps
 
     def covers(self, capability) -> bool:
         return self.min_capability <= tuple(capability) <= self.max_capability
@@ -28,10 +29,13 @@ class Family(NamedTuple):
         return self.sources[kernel]
 
 
-AMPERE = Family(name="sm80", min_capability=(8, 0), max_capability=(9, 0),
+AMPERE = Family(name="sm80", min_capability=(8, 0), max_capability=(8, 9),
                 sources={"fwd": "sm80/fa_fwd.cu", "bwd": "sm80/fa_bwd.cu"}, priority=0)
+# Hopper: a warp-specialised wgmma/TMA forward; the backward is still the Ampere kernel (built for sm_90a)
+HOPPER = Family(name="sm90", min_capability=(9, 0), max_capability=(9, 0),
+                sources={"fwd": "sm90/fa_fwd.cu", "bwd": "sm80/fa_bwd.cu"}, priority=1, tensor_maps=True)
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (AMPERE,)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (AMPERE, HOPPER)}
 
 
 def family_for(capability) -> Optional[Family]:

@@ -78,7 +78,8 @@ def score_mod(p) -> bool:
 _streams: dict = {}
 
 
-def _launch(kernel, grid: int, threads: int, smem: int, args, device_index: int) -> None:
+def _launch(kernel, grid: int, threads: int, smem: int, args: tuple, device_index: int) -> None:
+    """Launch on torch's current stream of the device; `args` are the kernel's by-value arguments."""
     import cupy
 
     handle = torch.cuda.current_stream(device_index).cuda_stream
@@ -86,7 +87,7 @@ def _launch(kernel, grid: int, threads: int, smem: int, args, device_index: int)
     if stream is None:
         stream = _streams[(handle, device_index)] = cupy.cuda.ExternalStream(handle, device_index)
     with cupy.cuda.Device(device_index), stream:
-        kernel((grid, 1, 1), (threads, 1, 1), (args,), shared_mem=smem)
+        kernel((grid, 1, 1), (threads, 1, 1), args, shared_mem=smem)
 
 
 def _check_grid(blocks: int) -> None:
@@ -100,10 +101,14 @@ def _device_index(t: torch.Tensor) -> int:
 
 def forward(p, x: Inputs):
     """(out, lse) of one attention call; out in the caller's layout via alloc_out, lse including the sinks."""
-    device_index = _device_index(x.q)
     family = family_for(p.capability)
+    if family.tensor_maps:
+        from . import launch_sm90
+
+        return launch_sm90.forward(p, x)
+    device_index = _device_index(x.q)
     d, dv = round8(p.head_dim), round8(p.head_dim_v)
-    variant = forward_variant(family, p.dtype == torch.bfloat16, head_dim_tile(d, dv), score_mod(p),
+    variant = forward_variant(family, p.dtype == torch.bfloat16, head_dim_tile(d, dv, family, "fwd"), score_mod(p),
                               max_shared(p.capability))
     q, k, v = kernel_operand(x.q, d), kernel_operand(x.k, d), kernel_operand(x.v, dv)
     x = x.replace(alibi_slopes=_vector(x.alibi_slopes), sinks=_vector(x.sinks))
@@ -119,7 +124,7 @@ def forward(p, x: Inputs):
                        q_bs=qb, q_hs=qh, q_rs=qr, k_bs=kb, k_hs=kh, k_rs=kr, v_bs=vb, v_hs=vh, v_rs=vr,
                        o_bs=ob, o_hs=oh, o_rs=orow, num_blocks=blocks_per_head, **_common(p, x))
     kernel = get_kernel(variant, nvrtc_arch(p.capability), device_index)
-    _launch(kernel, grid, variant.threads, variant.shared_bytes(), args, device_index)
+    _launch(kernel, grid, variant.threads, variant.shared_bytes(), (args,), device_index)
     if out_k is not out:
         out.copy_(out_k[..., : p.head_dim_v])
     return out, lse
@@ -130,7 +135,7 @@ def backward(p, x: Inputs, out, lse, dout) -> Grads:
     device_index = _device_index(x.q)
     family = family_for(p.capability)
     d, dvw = round8(p.head_dim), round8(p.head_dim_v)
-    passes = backward_variants(family, p.dtype == torch.bfloat16, head_dim_tile(d, dvw), score_mod(p),
+    passes = backward_variants(family, p.dtype == torch.bfloat16, head_dim_tile(d, dvw, family, "bwd"), score_mod(p),
                                max_shared(p.capability))
     delta = (dout.float() * out.float()).sum(-1).contiguous()  # rowsum(dout * out), (B, Hq, Sq)
     lse2 = lse_log2(lse)
@@ -154,7 +159,7 @@ def backward(p, x: Inputs, out, lse, dout) -> Grads:
     arch = nvrtc_arch(p.capability)
     for variant in passes:
         kernel = get_kernel(variant, arch, device_index)
-        _launch(kernel, grid, variant.threads, variant.shared_bytes(), args, device_index)
+        _launch(kernel, grid, variant.threads, variant.shared_bytes(), (args,), device_index)
     dq = (dq_accum[..., : p.head_dim] * p.scale).to(p.dtype)
     dsinks = sinks_grad(x.sinks, lse, delta) if x.sinks is not None else None
     return Grads(dq, dk[..., : p.head_dim], dv[..., : p.head_dim_v], None, dsinks)

@@ -3,8 +3,10 @@
 A specialisation is one compile of a family's forward or backward source (`families.py`)
 with a set of -D defines: dtype, head-dim tile, block sizes, warps and feature flags.
 The Ampere family's tiles follow FlashAttention-2's Ampere choices, with a fallback for
-GPUs whose shared memory per block is ~99 KB (sm_86, sm_89). `all_variants()` is what
-the CI compile test builds; the launcher only ever asks for members of that set.
+GPUs whose shared memory per block is ~99 KB (sm_86, sm_89). The Hopper forward runs
+128 query rows per block on three warpgroups (a TMA producer, two wgmma consumers) with
+head-dim tiles that are whole 64-column swizzle panels. `all_variants()` is what the CI
+compile test builds; the launcher only ever asks for members of that set.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from typing import NamedTuple
 from .families import FAMILIES, Family
 
 HEAD_DIM_TILES = (32, 64, 96, 128, 160, 192, 256)
+# the Hopper forward's tiles: whole 128-byte panels (TMA zero-fills the columns past the head dim)
+PANEL_TILES = (64, 128, 192, 256)
 # head dims above this run the backward in two passes (dV, then dK + dQ) so that
 # each pass keeps a single accumulator in registers
 SINGLE_PASS_BACKWARD_MAX = 128
@@ -32,10 +36,16 @@ class Variant(NamedTuple):
     do_dv: bool = True
     do_dk: bool = True
     stages: int = 1    # fwd: K/V buffers in shared memory
+    overlap: bool = False   # Hopper fwd: Q K^T of block j issued before P V of block j-1 completes
+    pingpong: bool = False  # Hopper fwd: the two consumer warpgroups take turns at the tensor cores
 
     @property
     def threads(self) -> int:
         return 32 * self.warps
+
+    @property
+    def hopper_forward(self) -> bool:
+        return FAMILIES[self.family].tensor_maps and self.kernel == "fwd"
 
     @property
     def source(self) -> str:
@@ -53,9 +63,17 @@ class Variant(NamedTuple):
             d.update(DO_DV=int(self.do_dv), DO_DK=int(self.do_dk))
         else:
             d.update(KV_STAGES=self.stages)
+        if self.hopper_forward:
+            d.update(OVERLAP=int(self.overlap), PINGPONG=int(self.pingpong))
+            del d["BLOCK_M"], d["NUM_WARPS"]  # fixed by the kernel's warpgroup roles
         return tuple(f"-D{k}={v}" for k, v in d.items())
 
     def shared_bytes(self) -> int:
+        if self.hopper_forward:
+            # Q panels, STAGES x (K, V) panels, mbarriers, and 1 KB to align the swizzle atoms
+            panels = self.head_dim // 64
+            return (panels * 128 * (self.block_m + 2 * self.stages * self.block_n) + 8 * (1 + 4 * self.stages)
+                    + 1024)
         ld = self.head_dim + 8
         if self.kernel == "fwd":
             return (self.block_m + 2 * self.stages * self.block_n) * ld * 2
@@ -67,22 +85,45 @@ class Variant(NamedTuple):
         if self.kernel == "bwd" and not (self.do_dv and self.do_dk):
             flags += "+dv" if self.do_dv else "+dk"
         stages = f" s{self.stages}" if self.kernel == "fwd" else ""
+        stages += ("+overlap" if self.overlap else "") + ("+pingpong" if self.pingpong else "")
         tile = f"d{self.head_dim} {self.block_m}x{self.block_n} w{self.warps}{stages}"
         return f"{self.family} {self.kernel} {tile} {flags}"
 
 
-# Ampere family tiles.
-# (block_m, block_n, warps, K/V stages), best first; the first that fits the device's shared memory is used
+class ForwardTile(NamedTuple):
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    overlap: bool = False
+    pingpong: bool = False
+
+
+# Forward tiles per family and head-dim tile, best first; the first that fits the device's shared
+# memory is used.
+_A = ForwardTile
 FORWARD_TILES = {
-    # measured on the H200 (2026-11-29): double-buffered K/V +2% at d128, -5% at d64
-    32: ((128, 64, 4, 1),),
-    64: ((128, 64, 4, 1),),
-    96: ((128, 64, 4, 1),),
-    128: ((128, 64, 4, 2), (128, 64, 4, 1)),
-    160: ((128, 64, 8, 1),),
-    192: ((128, 64, 8, 1), (64, 64, 4, 1)),
-    256: ((128, 64, 8, 1), (64, 32, 4, 1)),
+    "sm80": {
+        # measured on the H200 (2026-11-29): double-buffered K/V +2% at d128, -5% at d64
+        32: (_A(128, 64, 4, 1),),
+        64: (_A(128, 64, 4, 1),),
+        96: (_A(128, 64, 4, 1),),
+        128: (_A(128, 64, 4, 2), _A(128, 64, 4, 1)),
+        160: (_A(128, 64, 8, 1),),
+        192: (_A(128, 64, 8, 1), _A(64, 64, 4, 1)),
+        256: (_A(128, 64, 8, 1), _A(64, 32, 4, 1)),
+    },
+    # 128 rows, 12 warps (producer + 2 consumers); block_n bounded by the consumers' 240 registers
+    "sm90": {
+        64: (_A(128, 128, 12, 2, True, True),),
+        128: (_A(128, 128, 12, 2, True, True),),
+        192: (_A(128, 80, 12, 2, True, True),),
+        256: (_A(128, 64, 12, 2, True, True),),
+    },
 }
+# head-dim tiles of each family's kernels (the backward of both is the Ampere kernel)
+TILE_SETS = {("sm80", "fwd"): HEAD_DIM_TILES, ("sm80", "bwd"): HEAD_DIM_TILES,
+             ("sm90", "fwd"): PANEL_TILES, ("sm90", "bwd"): HEAD_DIM_TILES}
 # (block_m = queries per step, block_n = keys per block = 16 * warps, warps)
 BACKWARD_TILES = {
     32: ((64, 128, 8), (64, 64, 4)),
@@ -95,17 +136,21 @@ BACKWARD_TILES = {
 }
 
 
-def head_dim_tile(head_dim: int, head_dim_v: int) -> int | None:
-    """The smallest tile holding both head dims (rounded up to 8), or None above 256."""
+def head_dim_tile(head_dim: int, head_dim_v: int, family: Family | None = None, kernel: str = "fwd") -> int | None:
+    """The smallest tile of `family`'s `kernel` holding both head dims (rounded up to 8), or None above 256."""
     need = max(head_dim, head_dim_v)
-    return next((t for t in HEAD_DIM_TILES if t >= need), None)
+    tiles = TILE_SETS[(family.name, kernel)] if family is not None else HEAD_DIM_TILES
+    return next((t for t in tiles if t >= need), None)
 
 
 def forward_variant(family: Family, bf16: bool, tile: int, score_mod: bool, max_shared: int) -> Variant | None:
-    for bm, bn, w, stages in FORWARD_TILES[tile]:
-        v = Variant(family.name, "fwd", bf16, tile, bm, bn, w, score_mod, stages=stages)
-        # double buffering only where two blocks still fit on a multiprocessor
-        if v.shared_bytes() <= max_shared and (stages == 1 or 2 * v.shared_bytes() <= max_shared):
+    for t in FORWARD_TILES[family.name].get(tile, ()):
+        v = Variant(family.name, "fwd", bf16, tile, t.block_m, t.block_n, t.warps, score_mod, stages=t.stages,
+                    overlap=t.overlap, pingpong=t.pingpong)
+        if v.shared_bytes() > max_shared:
+            continue
+        # Ampere: double buffering only where two blocks still fit on a multiprocessor
+        if v.hopper_forward or t.stages == 1 or 2 * v.shared_bytes() <= max_shared:
             return v
     return None
 
@@ -113,7 +158,7 @@ def forward_variant(family: Family, bf16: bool, tile: int, score_mod: bool, max_
 def backward_variants(family: Family, bf16: bool, tile: int, score_mod: bool,
                       max_shared: int) -> tuple[Variant, ...] | None:
     """The launches of one backward: one pass, or a dV pass then a dK + dQ pass."""
-    for bm, bn, w in BACKWARD_TILES[tile]:
+    for bm, bn, w in BACKWARD_TILES.get(tile, ()):
         if tile <= SINGLE_PASS_BACKWARD_MAX:
             passes = (Variant(family.name, "bwd", bf16, tile, bm, bn, w, score_mod, True, True),)
         else:
@@ -140,9 +185,10 @@ def requestable(family: Family, capability) -> list[Variant]:
     found = []
     for bf16 in (False, True):
         for mod in (False, True):
-            for tile in HEAD_DIM_TILES:
+            for tile in TILE_SETS[(family.name, "fwd")]:
                 fwd = forward_variant(family, bf16, tile, mod, shared)
                 found += [fwd] if fwd else []
+            for tile in TILE_SETS[(family.name, "bwd")]:
                 found += list(backward_variants(family, bf16, tile, mod, shared) or ())
     return found
 

@@ -22,3 +22,10 @@ DEVI float exp2_approx(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
+
+// 32-bit shared-memory address of a generic pointer into shared memory.
+DEVI u32 smem_u32(const void* ptr) {
+  u32 addr;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(addr) : "l"(ptr));
+  return addr;
+}

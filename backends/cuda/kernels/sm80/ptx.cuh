@@ -2,13 +2,7 @@
 // fp32 -> 16-bit conversions and the fp32 vector reduction.
 #pragma once
 #include "common/base.cuh"
-
-// 32-bit shared-memory address of a generic pointer into shared memory.
-DEVI u32 smem_u32(const void* ptr) {
-  u32 addr;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(addr) : "l"(ptr));
-  return addr;
-}
+#include "common/convert.cuh"
 
 // 16-byte async copy global -> shared; when !valid nothing is read and the
 // destination is zero-filled (src-size 0), so tile edges need no branches.
@@ -49,18 +43,6 @@ DEVI void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
-}
-
-// Two floats -> one register of two 16-bit values (lo in the low half).
-template <bool BF16>
-DEVI u32 pack2(float lo, float hi) {
-  u32 r;
-  if constexpr (BF16) {
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  } else {
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  }
-  return r;
 }
 
 // Two adjacent fp32 atomic adds (8-byte aligned address): one vector reduction on sm_90+.
