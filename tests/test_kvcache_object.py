@@ -2,6 +2,7 @@
 full sequences computed densely; typed errors before any write; no host reads on the dense append path;
 the serving page's examples run."""
 import re
+import zlib
 from pathlib import Path
 
 import pytest
@@ -63,7 +64,7 @@ def _check_dense_step(cache, shadow, n, heads_q, layout, options, dtype=torch.fl
 @pytest.mark.parametrize("heads", [(4, 2), (2, 2), (3, 1)], ids=["gqa", "mha", "mqa"])
 def test_steps_of_append_and_attend_match_the_dense_oracle(kind, heads, layout):
     heads_q, heads_kv = heads
-    torch.manual_seed(hash((kind, heads, layout)) % 2**31)
+    torch.manual_seed(zlib.crc32(repr((kind, heads, layout)).encode()))
     cache = _make(kind, heads_kv=heads_kv, capacity=300 if kind == 256 else 40)
     shadow = Shadow(cache.batch, heads_kv, 16, 16, torch.float64)
     # a prefill chunk, then decode steps, then a short verify chunk (speculative decoding)
@@ -187,6 +188,13 @@ def test_cache_plan_decode_loop_matches_attend(kind):
     assert a.seqlens == [6] * 3  # nothing appended by the refused call
 
 
+def _fill(cache):
+    """Random values in all of the storage (torch.empty may hold NaN, which no snapshot equals)."""
+    cache.k.copy_(torch.randn_like(cache.k))
+    cache.v.copy_(torch.randn_like(cache.v))
+    return cache
+
+
 def _snapshot(cache):
     return cache.k.clone(), cache.v.clone(), cache.lengths.clone(), cache.seqlens
 
@@ -200,9 +208,7 @@ def _unchanged(cache, snap):
 @pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
 def test_capacity_overflow_is_refused_before_any_write(kind):
     torch.manual_seed(9)
-    cache = _make(kind, batch=2, capacity=8, dtype=torch.float32)
-    cache.k.copy_(torch.randn_like(cache.k))   # storage holds known values, never zeros
-    cache.v.copy_(torch.randn_like(cache.v))
+    cache = _fill(_make(kind, batch=2, capacity=8, dtype=torch.float32))
     cache.append(torch.randn(2, 2, cache.capacity - 1, 16), torch.randn(2, 2, cache.capacity - 1, 16))
     snap = _snapshot(cache)
     with pytest.raises(CacheCapacityError, match="capacity") as err:
@@ -222,7 +228,7 @@ def test_capacity_overflow_is_refused_before_any_write(kind):
 
 def test_bad_new_tokens_name_the_argument_before_any_write():
     torch.manual_seed(10)
-    cache = _make(16, batch=2, dtype=torch.float32)
+    cache = _fill(_make(16, batch=2, dtype=torch.float32))
     cache.append(torch.randn(2, 2, 3, 16), torch.randn(2, 2, 3, 16))
     snap = _snapshot(cache)
     good = torch.randn(2, 2, 1, 16)
