@@ -6,6 +6,7 @@ from typing import Sequence
 import torch
 
 from .errors import InvalidArgumentError, InvalidTypeError
+from .problem import FLOAT_DTYPES
 
 _LAYOUTS = ("bhsd", "bshd", "varlen")
 
@@ -34,21 +35,7 @@ def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], *, layout:
         lse = torch.logsumexp(torch.stack(lses), dim=0)
         out = sum(torch.exp(l - lse)[..., None] * o for o, l in zip(outs, lses))  # bhsd
     """
-    if layout not in _LAYOUTS:
-        raise InvalidArgumentError(f"`layout` must be one of {', '.join(_LAYOUTS)}, got {layout!r}")
-    outs, lses = list(outs), list(lses)
-    if not outs or len(outs) != len(lses):
-        raise InvalidArgumentError(f"`outs` and `lses` must be non-empty and of one length, got {len(outs)} "
-                                   f"and {len(lses)}")
-    for i, (o, l) in enumerate(zip(outs, lses)):
-        if not isinstance(o, torch.Tensor) or not isinstance(l, torch.Tensor):
-            raise InvalidTypeError(f"part {i}: `outs` and `lses` must hold tensors")
-        if o.shape != outs[0].shape or l.shape != lses[0].shape or o.dtype != outs[0].dtype:
-            raise InvalidArgumentError(f"part {i}: shapes or dtype differ from part 0 ({tuple(o.shape)} vs "
-                                       f"{tuple(outs[0].shape)}, {tuple(l.shape)} vs {tuple(lses[0].shape)})")
-        if _lse_as_out(l, layout).shape[:-1] != o.shape[:-1]:
-            raise InvalidArgumentError(f"part {i}: lse {tuple(l.shape)} does not match out {tuple(o.shape)} "
-                                       f"in layout {layout!r}")
+    outs, lses = _checked_parts(outs, lses, layout)
     acc = torch.float64 if outs[0].dtype == torch.float64 else torch.float32
     stacked = torch.stack([l.to(acc) for l in lses])
     # log-sum-exp written out so rows no part saw (every lse -inf) give -inf with zero, not NaN, gradients
@@ -64,3 +51,48 @@ def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], *, layout:
         term = _lse_as_out(torch.exp(l.to(acc) - shift), layout) * o.to(acc)
         out = term if out is None else out + term
     return out.to(outs[0].dtype), lse
+
+
+_RANKS = {"bhsd": (4, 3), "bshd": (4, 3), "varlen": (3, 2)}  # layout -> (out rank, lse rank)
+
+
+def _as_list(name: str, parts) -> list:
+    """`parts` (a list or tuple of tensors, one per part) as a list; a lone tensor is an error, not parts."""
+    if isinstance(parts, (torch.Tensor, str, bytes)) or parts is None:
+        raise InvalidTypeError(f"`{name}` must be a list of tensors (one per part), got {type(parts).__name__}")
+    try:
+        return list(parts)
+    except TypeError:
+        raise InvalidTypeError(f"`{name}` must be a list of tensors (one per part), got {type(parts).__name__}") \
+            from None
+
+
+def _checked_parts(outs, lses, layout) -> tuple[list, list]:
+    """Every argument of `merge` checked, with a typed error naming it, before any arithmetic."""
+    if not isinstance(layout, str) or layout not in _LAYOUTS:
+        raise InvalidArgumentError(f"`layout` must be one of {', '.join(_LAYOUTS)}, got {layout!r}")
+    outs, lses = _as_list("outs", outs), _as_list("lses", lses)
+    if not outs or len(outs) != len(lses):
+        raise InvalidArgumentError(f"`outs` and `lses` must be non-empty and of one length, got {len(outs)} "
+                                   f"and {len(lses)}")
+    out_rank, lse_rank = _RANKS[layout]
+    for i, (o, l) in enumerate(zip(outs, lses)):
+        for name, t, rank in (("outs", o, out_rank), ("lses", l, lse_rank)):
+            if not isinstance(t, torch.Tensor):
+                raise InvalidTypeError(f"part {i}: `{name}` must hold tensors, got {type(t).__name__}")
+            if t.dtype not in FLOAT_DTYPES:
+                raise InvalidTypeError(f"part {i}: `{name}` must hold float16, bfloat16, float32 or float64 "
+                                       f"tensors, got {t.dtype}")
+            if t.dim() != rank:
+                raise InvalidArgumentError(f"part {i}: `{name}` must hold {rank}-D tensors in layout {layout!r}, "
+                                           f"got shape {tuple(t.shape)}")
+            if t.device != outs[0].device:
+                raise InvalidArgumentError(f"part {i}: `{name}` must be on {outs[0].device} (part 0's out), "
+                                           f"got {t.device}")
+        if o.shape != outs[0].shape or l.shape != lses[0].shape or o.dtype != outs[0].dtype:
+            raise InvalidArgumentError(f"part {i}: shapes or dtype differ from part 0 ({tuple(o.shape)} vs "
+                                       f"{tuple(outs[0].shape)}, {tuple(l.shape)} vs {tuple(lses[0].shape)})")
+        if _lse_as_out(l, layout).shape[:-1] != o.shape[:-1]:
+            raise InvalidArgumentError(f"part {i}: lse {tuple(l.shape)} does not match out {tuple(o.shape)} "
+                                       f"in layout {layout!r}")
+    return outs, lses

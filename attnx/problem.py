@@ -282,6 +282,12 @@ def _max_length(name: str, given, cu: torch.Tensor) -> int:
     return int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0  # one host sync
 
 
+def _unused_length(name: str, given, needs: str) -> None:
+    """A longest length given for a format that has none to describe: an error, not silently ignored."""
+    if given is not None:
+        raise InvalidArgumentError(f"`{name}` describes {needs}; this call has none (got {name}={given!r})")
+
+
 class _Sizes(NamedTuple):
     batch: int
     heads_q: int
@@ -307,6 +313,9 @@ def _sizes(x: Inputs, layout: str, q_format: str, kv_format: str, max_seqlen_q, 
     else:
         _check_tensor("q", q, 4, "(B, H, S, D) or (B, S, H, D)")
         batch, seqlen_q, heads_q, head_dim = q.shape if bshd else (q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+        _unused_length("max_seqlen_q", max_seqlen_q, "packed queries (`cu_seqlens_q`)")
+    if kv_format != "varlen":
+        _unused_length("max_seqlen_k", max_seqlen_k, "packed keys (`cu_seqlens_k`)")
     page_size = None
     if kv_format == "varlen":
         for name, t in (("k", k), ("v", v)):
