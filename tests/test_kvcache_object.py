@@ -1,7 +1,11 @@
 """`attnx.KVCache`: append + attend over contiguous and paged caches against the naive oracle on the
 full sequences computed densely; typed errors before any write; no host reads on the dense append path;
 the serving page's examples run."""
+import importlib.util
+import os
 import re
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -347,3 +351,39 @@ def test_serving_page_examples_run():
     namespace = {"__name__": "__serving__"}
     for index, code in enumerate(blocks):
         exec(compile(code, f"serving.md python block {index + 1}", "exec"), namespace)
+
+
+_TRITON_SCRIPT = """
+import torch, attnx
+torch.manual_seed(0)
+for kind in (None, 1, 16):
+    for layout in ("bhsd", "bshd"):
+        cache = attnx.KVCache.allocate(2, 48, 2, 24, page_size=kind)
+        cache.append(torch.randn(10, 2, 24), torch.randn(10, 2, 24), cu_seqlens=torch.tensor([0, 3, 10], dtype=torch.int32))
+        keys = [cache.sequence(b)[0].clone() for b in range(2)]        # (Hkv, L, D) per sequence
+        vals = [cache.sequence(b)[1].clone() for b in range(2)]
+        for n in (5, 1, 2, 20):   # decode kernel (n <= 16) and the main kernel
+            q, k, v = torch.randn(2, 4, n, 24), torch.randn(2, 2, n, 24), torch.randn(2, 2, n, 24)
+            keys = [torch.cat([keys[b], k[b]], 1) for b in range(2)]
+            vals = [torch.cat([vals[b], v[b]], 1) for b in range(2)]
+            args = [t.transpose(1, 2).contiguous() for t in (q, k, v)] if layout == "bshd" else (q, k, v)
+            out = cache.attend(*args, layout=layout, causal=True, backend="triton")
+            out = out.transpose(1, 2) if layout == "bshd" else out
+            assert torch.isfinite(out).all(), (kind, layout, n)
+            for b in range(2):
+                want = attnx.attention(q[b:b + 1], keys[b][None], vals[b][None], causal=True, backend="naive")
+                torch.testing.assert_close(out[b:b + 1], want, rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_cache_object_on_triton_kernels_through_the_interpreter():
+    """The cache's views (bshd storage seen as bhsd, page pools) in triton's kernels (TRITON_INTERPRET=1)."""
+    root = str(PAGE.parent.parent)
+    env = {k: v for k, v in os.environ.items() if k != "ATTNX_BACKEND"}
+    env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""))
+    proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-4000:]
