@@ -24,6 +24,7 @@ import torch
 from .api import Plan, attention, plan
 from .errors import InvalidArgumentError, InvalidTypeError
 from .kvcache_append import CacheCapacityError, check_layout, new_tokens, packed_counts, write_tokens
+from .kvcache_pages import PageAllocator
 from .problem import FLOAT_DTYPES, make_problem
 from .registry import get_backend
 
@@ -116,18 +117,23 @@ class KVCache:
             self.batch, self.capacity = page_table.shape[0], page_table.shape[1] * self.page_size
         self._lengths = torch.zeros(self.batch, dtype=torch.int32, device=k.device)
         self._host = [0] * self.batch
+        self._pager = None
         if lengths is not None:
             self.set_lengths(lengths)
 
     @classmethod
     def allocate(cls, batch: int, capacity: int, heads_kv: int, head_dim: int, *, head_dim_v: Optional[int] = None,
-                 dtype: torch.dtype = torch.float32, device=None, page_size: Optional[int] = None) -> "KVCache":
+                 dtype: torch.dtype = torch.float32, device=None, page_size: Optional[int] = None,
+                 num_pages: Optional[int] = None) -> "KVCache":
         """An empty cache (every length 0) for ``batch`` sequences of up to ``capacity`` tokens.
 
-        ``page_size`` (an int >= 1; 1, 16 and 256 are tested) makes it paged: each sequence gets
-        ``ceil(capacity / page_size)`` pages of its own in one pool (capacity rounds up to whole
-        pages); None makes it contiguous. Storage is allocated with ``torch.empty``: positions
-        past a sequence's length hold garbage and are never read. No host sync.
+        ``page_size`` (an int >= 1; 1, 16 and 256 are tested) makes it paged (capacity rounds up to
+        whole pages); None makes it contiguous. By default each sequence owns
+        ``ceil(capacity / page_size)`` pages from the start. With ``num_pages``, the pool holds that
+        many pages, shared: a sequence takes pages as appends need them and gives them back on
+        `reset` / shrinking `set_lengths` (a full pool raises `CacheCapacityError` before any write).
+        Storage is allocated with ``torch.empty``: positions past a sequence's length hold garbage
+        and are never read. No host sync.
 
         Equivalent PyTorch (contiguous)::
 
@@ -142,19 +148,27 @@ class KVCache:
             raise InvalidTypeError(f"`dtype` must be float16, bfloat16, float32 or float64, got {dtype!r}")
         device = torch.device("cpu" if device is None else device)
         if page_size is None:
+            if num_pages is not None:
+                raise InvalidArgumentError("`num_pages` needs `page_size` (a paged cache)")
             k = torch.empty(batch, capacity, heads_kv, head_dim, dtype=dtype, device=device)
             v = torch.empty(batch, capacity, heads_kv, head_dim_v, dtype=dtype, device=device)
             return cls(k, v)
         page_size = _count("page_size", page_size, 1)
         pages = -(-capacity // page_size)
-        k = torch.empty(batch * pages, page_size, heads_kv, head_dim, dtype=dtype, device=device)
-        v = torch.empty(batch * pages, page_size, heads_kv, head_dim_v, dtype=dtype, device=device)
-        table = torch.arange(batch * pages, dtype=torch.int32, device=device).reshape(batch, pages)
+        shared = num_pages is not None
+        pool = _count("num_pages", num_pages, 1) if shared else batch * pages
+        k = torch.empty(pool, page_size, heads_kv, head_dim, dtype=dtype, device=device)
+        v = torch.empty(pool, page_size, heads_kv, head_dim_v, dtype=dtype, device=device)
+        if shared:  # entries written as pages are handed out; unused ones stay 0 (a valid page, never read)
+            table = torch.zeros(batch, pages, dtype=torch.int32, device=device)
+        else:
+            table = torch.arange(batch * pages, dtype=torch.int32, device=device).reshape(batch, pages)
         cache = cls.__new__(cls)  # the table is valid by construction: skip its (syncing) value check
         cache.k, cache.v, cache.page_table, cache.page_size = k, v, table, page_size
         cache.batch, cache.capacity = batch, pages * page_size
         cache._lengths = torch.zeros(batch, dtype=torch.int32, device=device)
         cache._host = [0] * batch
+        cache._pager = PageAllocator(pool, batch, page_size) if shared else None
         return cache
 
     # ---- what it holds -------------------------------------------------------------------
@@ -187,6 +201,11 @@ class KVCache:
         """int32 ``(B,)`` on the cache's device: tokens held per sequence. Change it only through
         the cache's methods (`append`, `attend`, `set_lengths`, `reset`): they keep a host copy."""
         return self._lengths
+
+    @property
+    def free_pages(self) -> Optional[int]:
+        """Pages left in a shared pool (``allocate(..., num_pages=...)``); None when pages are not shared."""
+        return None if self._pager is None else len(self._pager.free)
 
     @property
     def seqlens(self) -> list[int]:
@@ -234,20 +253,31 @@ class KVCache:
         if len(values) != self.batch or any(n < 0 or n > self.capacity for n in values):
             raise InvalidArgumentError(f"`lengths` must be {self.batch} values in [0, {self.capacity}] (the "
                                        f"capacity), got {values}")
+        if self._pager is not None:
+            missing = self._pager.shortfall(values)
+            if missing:
+                raise CacheCapacityError(f"`lengths` {values} need {missing} more pages than the pool has free")
+            for b, n in enumerate(values):
+                self._pager.shrink(b, n)
+            self._pager.grow(self.page_table, values)
         self._lengths.copy_(torch.tensor(values, dtype=torch.int32))
         self._host = values
 
     def reset(self, index: Optional[int] = None) -> None:
-        """Empty every sequence (``index=None``) or sequence ``index``. No host sync."""
+        """Empty every sequence (``index=None``) or sequence ``index`` (its pages go back to a shared pool).
+        No host sync."""
         if index is None:
             self._lengths.zero_()
             self._host = [0] * self.batch
-            return
-        index = _count("index", index, 0)
-        if index >= self.batch:
-            raise InvalidArgumentError(f"`index` must be < {self.batch} (the batch), got {index}")
-        self._lengths[index] = 0
-        self._host[index] = 0
+        else:
+            index = _count("index", index, 0)
+            if index >= self.batch:
+                raise InvalidArgumentError(f"`index` must be < {self.batch} (the batch), got {index}")
+            self._lengths[index] = 0
+            self._host[index] = 0
+        if self._pager is not None:
+            for b in (range(self.batch) if index is None else (index,)):
+                self._pager.shrink(b, 0)
 
     def append(self, k: torch.Tensor, v: torch.Tensor, *, layout: str = "bhsd",
                cu_seqlens: Optional[torch.Tensor] = None) -> None:
@@ -265,10 +295,22 @@ class KVCache:
                 L = lengths[b]; K[b, L:L + n] = k[b].transpose(0, 1); V[b, L:L + n] = v[b].transpose(0, 1)
             lengths += n
         """
-        counts = new_tokens(self, k, v, layout, cu_seqlens)
+        counts = self._new_tokens(k, v, layout, cu_seqlens)
         self._commit(k, v, layout, cu_seqlens, counts)
 
+    def _new_tokens(self, k, v, layout, cu_seqlens) -> list[int]:
+        """Tokens each sequence gains (every check, a shared pool's free pages included, before any write)."""
+        counts = new_tokens(self, k, v, layout, cu_seqlens)
+        if self._pager is not None:
+            missing = self._pager.shortfall([n + c for n, c in zip(self._host, counts)])
+            if missing:
+                raise CacheCapacityError(f"`k`/`v` need {missing} more pages than the shared pool has free "
+                                         f"({len(self._pager.free)} of {self.k.shape[0]}); `reset` finished sequences")
+        return counts
+
     def _commit(self, k, v, layout, cu_seqlens, counts: list[int]) -> None:
+        if self._pager is not None:
+            self._pager.grow(self.page_table, [n + c for n, c in zip(self._host, counts)])
         write_tokens(self, k, v, layout, cu_seqlens, counts)
         if cu_seqlens is None:
             self._lengths.add_(counts[0] if counts else 0)
@@ -309,7 +351,7 @@ class KVCache:
         if (k is None) != (v is None):
             raise InvalidArgumentError("give both `k` and `v` (new tokens to append), or neither")
         if k is not None:
-            counts = new_tokens(self, k, v, layout, cu_seqlens)
+            counts = self._new_tokens(k, v, layout, cu_seqlens)
             if cu_seqlens is not None and "max_seqlen_q" not in call:
                 call["max_seqlen_q"] = max(counts, default=0)
             make_problem(q, **self.inputs(layout), **call)  # q and every option checked before the write
@@ -371,7 +413,7 @@ class CachePlan:
         if cu_seqlens is not None:
             tensors["cu_seqlens_q"] = cu_seqlens
         if k is not None:
-            counts = new_tokens(self.cache, k, v, self._layout, cu_seqlens)
+            counts = self.cache._new_tokens(k, v, self._layout, cu_seqlens)
             if self._packed and max(counts, default=0) > self._max_q:
                 raise InvalidArgumentError(f"`cu_seqlens` brings {max(counts)} tokens to one sequence, more than "
                                            f"the planned max_seqlen_q = {self._max_q}")

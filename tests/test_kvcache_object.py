@@ -387,3 +387,47 @@ def test_cache_object_on_triton_kernels_through_the_interpreter():
     proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-4000:]
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_shared_pool_hands_pages_out_as_sequences_grow(page_size):
+    """``allocate(num_pages=...)``: fewer pages than batch x capacity; pages taken on append, returned on reset."""
+    torch.manual_seed(15)
+    B, Hkv, D, capacity = 3, 2, 16, 32
+    num_pages = max(-(-40 // page_size), 4)   # room for about 40 tokens, against 3 x 32 = 96 of capacity
+    cache = KVCache.allocate(B, capacity, Hkv, D, dtype=torch.float64, page_size=page_size, num_pages=num_pages)
+    _fill(cache)
+    assert cache.free_pages == num_pages
+    shadow = Shadow(B, Hkv, D, D, torch.float64)
+    cu = torch.tensor([0, 7, 7, 12], dtype=torch.int32)       # packed prefill: 7, 0 and 5 tokens
+    k, v = _randn(12, Hkv, D), _randn(12, Hkv, D)
+    cache.append(k, v, cu_seqlens=cu)
+    for b in range(B):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        shadow.add(b, k[rows].transpose(0, 1), v[rows].transpose(0, 1))
+    for n in (1, 3, 1):
+        _check_dense_step(cache, shadow, n, 4, "bhsd", dict(causal=True))
+    assert cache.seqlens == [12, 5, 10]
+    used = sum(-(-n // page_size) for n in cache.seqlens)
+    assert cache.free_pages == num_pages - used
+    # the pool runs dry before any sequence reaches its capacity: refused before any write
+    snap = _snapshot(cache)
+    table = cache.page_table.clone()
+    with pytest.raises(CacheCapacityError, match="pages"):   # 10 more each: within capacity, not in the pool
+        cache.append(_randn(B, Hkv, 10, D), _randn(B, Hkv, 10, D))
+    _unchanged(cache, snap)
+    assert torch.equal(cache.page_table, table) and cache.free_pages == num_pages - used
+    # a finished sequence gives its pages back; the others keep their keys, the freed pages are reused
+    cache.reset(0)
+    shadow.k[0], shadow.v[0] = shadow.k[0][:, :0], shadow.v[0][:, :0]
+    assert cache.free_pages == num_pages - used + -(-12 // page_size)
+    for n in (6, 1):
+        _check_dense_step(cache, shadow, n, 4, "bhsd", dict(causal=True))
+    for b in range(B):
+        got_k, got_v = cache.sequence(b)
+        assert torch.equal(got_k, shadow.k[b]) and torch.equal(got_v, shadow.v[b])
+    # speculative rollback: shrinking frees whole pages past the new length
+    cache.set_lengths([3, 2, 9])
+    assert cache.free_pages == num_pages - sum(-(-n // page_size) for n in (3, 2, 9))
+    with pytest.raises(InvalidArgumentError, match="`num_pages`"):
+        KVCache.allocate(B, capacity, Hkv, D, num_pages=4)
