@@ -35,10 +35,10 @@ THREADS = 8
 
 # mode -> (backend whose declared space the problems come from, problems in the pool, per thread, seed)
 MODES = {
-    "naive": ("naive", 40, 10, 11),
-    "blocked": ("blocked", 40, 10, 12),
-    "dispatched": ("blocked", 40, 10, 13),   # what blocked declares, the dispatcher can always run on CPU
-    "planned": ("blocked", 32, 8, 14),
+    "naive": ("naive", 32, 8, 11),
+    "blocked": ("blocked", 32, 8, 12),
+    "dispatched": ("blocked", 32, 8, 13),   # what blocked declares, the dispatcher can always run on CPU
+    "planned": ("blocked", 24, 6, 14),
 }
 
 
@@ -51,12 +51,15 @@ def draw_cases(backend_name: str, count: int, seed: int) -> list:
     found = {}
 
     @hypothesis_seed(seed)
-    @settings(max_examples=4 * count, database=None, deadline=None, phases=(Phase.generate,),
+    @settings(max_examples=8 * count, database=None, deadline=None, phases=(Phase.generate,),
               suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet)
     @given(strategy)
     def collect(case):
+        # one problem per shape and format: hypothesis likes to vary one field at a time
+        key = (case.batch, case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k, case.head_dim,
+               case.head_dim_v, case.q_format, case.kv_format)
         if len(found) < count:
-            found.setdefault(case.id, case)
+            found.setdefault(key, case)
 
     collect()
     assert len(found) == count, f"drew {len(found)} distinct problems, wanted {count}"
@@ -134,8 +137,6 @@ def test_eight_threads_match_the_oracle(mode, monkeypatch):
     pytest.importorskip("hypothesis")
     backend_name, count, per_thread, seed = MODES[mode]
     cases = draw_cases(backend_name, count, seed)
-    assert len({(c.batch, c.heads_q, c.seqlen_q, c.seqlen_k, c.head_dim) for c in cases}) > count // 2, \
-        "the pool should hold many different shapes"
     if mode in ("dispatched", "planned"):
         monkeypatch.setattr(check, "attnx", _Through(planned=mode == "planned"))
     attnx.dispatch.clear_cache()   # every thread meets cold dispatch entries
