@@ -59,8 +59,12 @@ def _inputs(case, device="cuda"):
 def _variant(p, overlap, pingpong, block_n=None):
     from attnx.backends.cuda.launch_sm90 import forward_variant_for
 
+    from attnx.backends.cuda.variants import max_shared
+
     v = forward_variant_for(p)
-    return v._replace(overlap=overlap, pingpong=pingpong, block_n=block_n or v.block_n)
+    v = v._replace(overlap=overlap, pingpong=pingpong)
+    wider = v._replace(block_n=block_n or v.block_n)
+    return wider if wider.shared_bytes() <= max_shared(p.capability) else v  # a block_n that does not fit: default
 
 
 def _run(q, k, v, opts, variant_of):

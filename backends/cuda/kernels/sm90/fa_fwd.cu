@@ -133,19 +133,25 @@ struct Rows {
   float sum[2];  // running sum of exp2, this thread's columns only
 };
 
-// One key block's scores -> probabilities (in place, as packed 16-bit P) and the factors that
-// rescale the accumulator; returns whether any row of the thread moved its max.
+// One key block's scores -> unnormalised probabilities, packed as the 16-bit A operand of P V
+// (for 16-bit types the accumulator and operand layouts coincide: each k-step of 16 keys is two
+// 8-column chunks), and the factors that rescale the accumulator. The scores are only read:
+// ptxas waits for every wgmma in flight before the first write to any accumulator register, so
+// writing the probabilities in place would stall this softmax behind the P V it should hide.
 template <bool BF16, bool MOD, int BN>
-DEVI bool softmax_block(float (&s)[BN / 2], u32 (&pa)[BN / 16][4], Rows& r, float (&alpha)[2],
+DEVI void softmax_block(float (&s)[BN / 2], u32 (&pa)[BN / 16][4], Rows& r, float (&alpha)[2],
                         const Visibility& vis, const ScoreMod& mod, float unit, int row0, int n0, int t4,
                         bool need_mask) {
-  if constexpr (MOD) {
+  // masked or modified scores need their own registers for the same reason
+  float x[BN / 2];
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) {
+  for (int i = 0; i < BN / 2; ++i) {
+    x[i] = s[i];
+    if constexpr (MOD) {
       const int row = row0 + ((i >> 1) & 1) * 8;
       const int col = n0 + (i >> 2) * 8 + 2 * t4 + (i & 1);
       float dcap;
-      s[i] = apply_score_mod(mod, s[i], row, col, &dcap) * ATTNX_LOG2E;
+      x[i] = apply_score_mod(mod, x[i], row, col, &dcap) * ATTNX_LOG2E;
     }
   }
   if (need_mask) {
@@ -153,39 +159,34 @@ DEVI bool softmax_block(float (&s)[BN / 2], u32 (&pa)[BN / 16][4], Rows& r, floa
     for (int i = 0; i < BN / 2; ++i) {
       const int row = row0 + ((i >> 1) & 1) * 8;
       const int col = n0 + (i >> 2) * 8 + 2 * t4 + (i & 1);
-      if (!key_visible(vis, row, col)) s[i] = neg_inf();
+      if (!key_visible(vis, row, col)) x[i] = neg_inf();
     }
   }
-  bool moved = false;
+  float shift[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float mx = r.max[half];
 #pragma unroll
-    for (int c = 0; c < BN / 8; ++c) mx = fmaxf(mx, fmaxf(s[4 * c + 2 * half], s[4 * c + 2 * half + 1]));
+    for (int c = 0; c < BN / 8; ++c) mx = fmaxf(mx, fmaxf(x[4 * c + 2 * half], x[4 * c + 2 * half + 1]));
     mx = quad_max(mx);
-    const float shift = max_shift(mx, unit);
-    alpha[half] = exp2_approx(r.max[half] * unit - shift);
-    moved |= alpha[half] != 1.f;
+    shift[half] = max_shift(mx, unit);
+    alpha[half] = exp2_approx(r.max[half] * unit - shift[half]);
     r.max[half] = mx;
-    float sum = 0.f;
-#pragma unroll
-    for (int c = 0; c < BN / 8; ++c) {
-      const float p0 = exp2_approx(fmaf(s[4 * c + 2 * half], unit, -shift));
-      const float p1 = exp2_approx(fmaf(s[4 * c + 2 * half + 1], unit, -shift));
-      s[4 * c + 2 * half] = p0;
-      s[4 * c + 2 * half + 1] = p1;
-      sum += p0 + p1;
-    }
-    r.sum[half] = r.sum[half] * alpha[half] + sum;
   }
+  float sum[2] = {0.f, 0.f};
 #pragma unroll
   for (int kk = 0; kk < BN / 16; ++kk) {
-    pa[kk][0] = pack2<BF16>(s[8 * kk + 0], s[8 * kk + 1]);
-    pa[kk][1] = pack2<BF16>(s[8 * kk + 2], s[8 * kk + 3]);
-    pa[kk][2] = pack2<BF16>(s[8 * kk + 4], s[8 * kk + 5]);
-    pa[kk][3] = pack2<BF16>(s[8 * kk + 6], s[8 * kk + 7]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // register j: chunk 2kk + j/2, row half j%2
+      const int i = 8 * kk + 4 * (j >> 1) + 2 * (j & 1);
+      const float p0 = exp2_approx(fmaf(x[i], unit, -shift[j & 1]));
+      const float p1 = exp2_approx(fmaf(x[i + 1], unit, -shift[j & 1]));
+      sum[j & 1] += p0 + p1;
+      pa[kk][j] = pack2<BF16>(p0, p1);
+    }
   }
-  return moved;
+  r.sum[0] = r.sum[0] * alpha[0] + sum[0];
+  r.sum[1] = r.sum[1] * alpha[1] + sum[1];
 }
 
 template <int HD>
@@ -279,8 +280,8 @@ DEVI void consume(const AttnParams& p, const Tile& t, const Visibility& vis, u32
       if (lane == 0) mbar_arrive(L::k_empty(base, s));
       float alpha[2];
       const bool masked = !tile_inside_band(vis, group_m0, 64, nb * BN, BN);
-      if (softmax_block<BF16, MOD, BN>(sc, pa, r, alpha, vis, mod, unit, row0, nb * BN, t4, masked))
-        rescale<HD>(o, alpha);
+      softmax_block<BF16, MOD, BN>(sc, pa, r, alpha, vis, mod, unit, row0, nb * BN, t4, masked);
+      rescale<HD>(o, alpha);
       mbar_wait(L::v_full(base, s), parity);
       wgmma_fence();
       issue_pv<BF16, HD, BN>(o, pa, base + L::V + s * L::KV_TILE);
@@ -308,12 +309,14 @@ DEVI void consume(const AttnParams& p, const Tile& t, const Visibility& vis, u32
       softmax_block<BF16, MOD, BN>(sc, pa, r, alpha, vis, mod, unit, row0, n0, t4,
                                    !tile_inside_band(vis, group_m0, 64, n0, BN));
     }
+    float alpha[2] = {1.f, 1.f};  // rescales O for the block whose P V comes next
     for (int i = 1; i < n_blocks; ++i) {
       const int nb = t.n_last - i, s = i % STAGES, prev = (i - 1) % STAGES;
       const u32 parity = (i / STAGES) & 1, prev_parity = ((i - 1) / STAGES) & 1;
       float sc[BN / 2];
       mbar_wait(L::k_full(base, s), parity);
       mbar_wait(L::v_full(base, prev), prev_parity);
+      rescale<HD>(o, alpha);  // O's last P V finished at the previous wait
       my_turn();
       wgmma_fence();
       issue_qk<BF16, HD, BN>(sc, q_rows, base + L::K + s * L::KV_TILE);
@@ -324,20 +327,20 @@ DEVI void consume(const AttnParams& p, const Tile& t, const Visibility& vis, u32
       wgmma_wait<1>();  // S is ready; P V may still run
       fence_regs(sc);
       if (lane == 0) mbar_arrive(L::k_empty(base, s));
+      // the softmax runs under the P V in flight; its result becomes the next P only after the wait
       u32 pn[BN / 16][4];
-      float alpha[2];
       const bool masked = !tile_inside_band(vis, group_m0, 64, nb * BN, BN);
-      const bool moved = softmax_block<BF16, MOD, BN>(sc, pn, r, alpha, vis, mod, unit, row0, nb * BN, t4, masked);
+      softmax_block<BF16, MOD, BN>(sc, pn, r, alpha, vis, mod, unit, row0, nb * BN, t4, masked);
       wgmma_wait<0>();
       fence_regs(o);
-      fence_regs(pa);  // the P V just finished read these: keep them alive until here
+      fence_regs(pa);
       if (lane == 0) mbar_arrive(L::v_empty(base, prev));
-      if (moved) rescale<HD>(o, alpha);
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk)
 #pragma unroll
         for (int j = 0; j < 4; ++j) pa[kk][j] = pn[kk][j];
     }
+    rescale<HD>(o, alpha);
     const int last = (n_blocks - 1) % STAGES;
     mbar_wait(L::v_full(base, last), ((n_blocks - 1) / STAGES) & 1);
     wgmma_fence();
