@@ -83,7 +83,8 @@ class KVCache:
     """Keys and values of ``B`` sequences, with per-sequence lengths; contiguous or paged.
 
     Storage (token-major, so appending writes whole rows):
-      * contiguous: ``k`` ``(B, capacity, Hkv, D)``, ``v`` ``(B, capacity, Hkv, Dv)``;
+      * contiguous: ``k`` ``(B, capacity, Hkv, D)``, ``v`` ``(B, capacity, Hkv, Dv)`` (wrap a
+        ``(B, Hkv, capacity, D)`` cache as its view ``k.transpose(1, 2)``: appends write through it);
       * paged: page pools ``k`` ``(num_pages, page_size, Hkv, D)``, ``v`` ``(num_pages, page_size, Hkv, Dv)``
         and int32 ``page_table`` ``(B, max_pages)``: key ``j`` of sequence ``b`` is row
         ``j % page_size`` of page ``page_table[b, j // page_size]``; capacity ``max_pages * page_size``.

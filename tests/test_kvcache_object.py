@@ -143,6 +143,18 @@ def test_permuted_page_table_wrapped_from_tensors():
         torch.testing.assert_close(v_b, shadow.v[b], rtol=0, atol=0)
 
 
+def test_wrapping_a_bhsd_cache_writes_through_the_view():
+    torch.manual_seed(16)
+    k_cache, v_cache = _randn(2, 2, 12, 16), _randn(2, 2, 12, 16)      # (B, Hkv, capacity, D)
+    cache = KVCache(k_cache.transpose(1, 2), v_cache.transpose(1, 2), lengths=torch.tensor([4, 7], dtype=torch.int32))
+    q, k, v = _randn(2, 4, 2, 16), _randn(2, 2, 2, 16), _randn(2, 2, 2, 16)
+    out = cache.attend(q, k, v, causal=True)
+    assert torch.equal(k_cache[0, :, 4:6], k[0]) and torch.equal(v_cache[1, :, 7:9], v[1])
+    want = attnx.attention(q, k_cache, v_cache, seqlens_k=torch.tensor([6, 9], dtype=torch.int32), causal=True,
+                           backend="naive")
+    torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-9)
+
+
 def test_unequal_lengths_write_at_each_sequences_own_end():
     torch.manual_seed(6)
     for kind in (None, 16):
@@ -359,9 +371,14 @@ torch.manual_seed(0)
 for kind in (None, 1, 16):
     for layout in ("bhsd", "bshd"):
         cache = attnx.KVCache.allocate(2, 48, 2, 24, page_size=kind)
-        cache.append(torch.randn(10, 2, 24), torch.randn(10, 2, 24), cu_seqlens=torch.tensor([0, 3, 10], dtype=torch.int32))
-        keys = [cache.sequence(b)[0].clone() for b in range(2)]        # (Hkv, L, D) per sequence
+        cache.append(torch.randn(7, 2, 24), torch.randn(7, 2, 24), cu_seqlens=torch.tensor([0, 0, 7], dtype=torch.int32))
+        keys = [cache.sequence(b)[0].clone() for b in range(2)]        # (Hkv, L, D) per sequence; 0 empty
         vals = [cache.sequence(b)[1].clone() for b in range(2)]
+        q = torch.randn(2, 4, 1, 24)                                   # no new tokens: sequence 0 sees nothing
+        out, lse = cache.attend(q, backend="triton", return_lse=True)
+        assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf")), (kind, layout)
+        want = attnx.attention(q[1:], keys[1][None], vals[1][None], backend="naive")
+        torch.testing.assert_close(out[1:], want, rtol=1e-5, atol=1e-5)
         for n in (5, 1, 2, 20):   # decode kernel (n <= 16) and the main kernel
             q, k, v = torch.randn(2, 4, n, 24), torch.randn(2, 2, n, 24), torch.randn(2, 2, n, 24)
             keys = [torch.cat([keys[b], k[b]], 1) for b in range(2)]
