@@ -448,3 +448,25 @@ def test_shared_pool_hands_pages_out_as_sequences_grow(page_size):
     assert cache.free_pages == num_pages - sum(-(-n // page_size) for n in (3, 2, 9))
     with pytest.raises(InvalidArgumentError, match="`num_pages`"):
         KVCache.allocate(B, capacity, Hkv, D, num_pages=4)
+
+
+def test_serving_page_format_table_matches_the_backends_declarations():
+    """docs/serving.md's 'Which backend computes what' table says what each backend's `formats` declares."""
+    lines = [line for line in PAGE.read_text().splitlines() if line.startswith("| ")]
+    header = [cell.strip(" `") for cell in lines[0].strip("|").split("|")]
+    assert header[0].startswith("format")
+    rows = {"dense / dense": [("dense", "dense")],
+            "packed / packed (`cu_seqlens_q`, `cu_seqlens_k`)": [("varlen", "varlen")],
+            "dense or packed / cache (`seqlens_k`)": [("dense", "cache"), ("varlen", "cache")],
+            "dense or packed / paged (`page_table`, any page size >= 1)": [("dense", "paged"), ("varlen", "paged")]}
+    backends = attnx.registered_backends()
+    seen = set()
+    for line in lines[2:2 + len(rows)]:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        pairs = rows[cells[0]]
+        seen.add(cells[0])
+        for name, cell in zip(header[1:], cells[1:]):
+            declared = all(pair in backends[name].formats for pair in pairs)
+            assert cell.startswith("yes") == declared, f"{cells[0]} / {name}: page says {cell!r}"
+            assert cell.startswith("yes") or cell == "declines", cell
+    assert seen == set(rows) and set(header[1:]) == set(backends)
