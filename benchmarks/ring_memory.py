@@ -136,22 +136,27 @@ def report(result: dict) -> str:
              "(VmHWM - VmRSS, the high-water mark reset just before the call): outputs, saved tensors, "
              "gradients, K/V and dK/dV blocks in flight, tiles. Inputs = the rank's q, k, v and dout shards. "
              "Max over ranks. \"/ P=1\" = peak / ring peak at P = 1 (ideal: 1/P).", "",
-             "Reading it: with P >= 2 the ring also holds blocks in flight, which one rank does not need: "
-             "two K/V blocks (the one in hand, the next arriving) and, in the backward, three float32 dK/dV "
-             "blocks (this rank's share being computed, the accumulators arriving, the previous ones "
-             "leaving), the price of overlapping every transfer with compute. They are shards too, so from "
-             "P = 2 on the peak falls as 1/P; from P = 1 to 2 it falls less, or (MHA, where a K/V block is "
-             "as large as q) rises. The all-gather variant keeps the whole K/V, and dK/dV of every block "
-             "in its backward, so it falls slowly, as its size rule expects (docs/distributed.md).", ""]
+             "Total = inputs + peak: what the rank holds at the peak, its shards included.", "",
+             "Reading it: every rank holds its output, dQ and one block's dK/dV accumulators (shards: they "
+             "fall as 1/P), plus, with P >= 2, the K/V block in hand and the next one arriving (shards too, "
+             "but one rank does not need them): the price of overlapping each K/V transfer with compute. "
+             "dK/dV accumulators are swapped with the neighbours piece by piece into the same buffers, and "
+             "each block's backward runs on the backend's kernel in pieces of a quarter chunk, so neither "
+             "adds a block-sized copy. Hence the peak falls as 1/P from P = 2 on, and less from P = 1 to 2 "
+             "(where, for MHA, K/V in flight are as large as everything else). The all-gather variant "
+             "keeps the whole K/V, and dK/dV of every block in its backward, so it falls slowly, as its size "
+             "rule expects (docs/distributed.md).", ""]
     groups: dict = {}
     for row in result["ranks"]:
         groups.setdefault(tuple(row["heads"]), {}).setdefault(row["world"], []).append(row)
     for (heads, heads_kv), by_world in groups.items():
         kind = "MHA" if heads == heads_kv else "GQA"
         lines += [f"## Hq = {heads}, Hkv = {heads_kv} ({kind})", "",
-                  "| P | exchange | inputs per rank (MiB) | peak per rank (MiB) | / P=1 | ideal 1/P | seconds |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| P | exchange | inputs per rank (MiB) | peak per rank (MiB) | / P=1 | total (MiB) | / P=1 | "
+                  "ideal 1/P | seconds |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         base = max(r["ring"]["peak_bytes"] for r in by_world[1]) if 1 in by_world else None
+        base_total = base + by_world[1][0]["input_bytes"] if base is not None else None
         for world in sorted(by_world):
             ranks = by_world[world]
             for method in ("ring", "allgather", "attnx.attention"):
@@ -159,10 +164,12 @@ def report(result: dict) -> str:
                     continue
                 peak = max(r[method]["peak_bytes"] for r in ranks)
                 seconds = max(r[method]["seconds"] for r in ranks)
+                total = peak + ranks[0]["input_bytes"]
                 ratio = f"{peak / base:.2f}" if base else "-"
+                total_ratio = f"{total / base_total:.2f}" if base_total else "-"
                 label = "none: `attnx.attention`, one process" if method == "attnx.attention" else method
                 lines.append(f"| {world} | {label} | {_mib(ranks[0]['input_bytes'])} | {_mib(peak)} | {ratio} | "
-                             f"{1 / world:.2f} | {seconds:.1f} |")
+                             f"{_mib(total)} | {total_ratio} | {1 / world:.2f} | {seconds:.1f} |")
         lines += ["", "Every rank (MiB): " + "; ".join(
             f"P={w} " + ", ".join(f"{m} " + " / ".join(_mib(r[m]['peak_bytes']) for r in by_world[w])
                                   for m in ("ring", "allgather") if m in by_world[w][0])
@@ -180,6 +187,7 @@ def main(argv=None) -> None:
     parser.add_argument("--exchanges", nargs="+", default=["ring", "allgather"])
     parser.add_argument("--full", action="store_true", help="not causal")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--name", default="ring_memory", help="file name (without suffix) of the results in --out")
     parser.add_argument("--from-json", type=Path, default=None, help="only re-render the report of a results JSON")
     args = parser.parse_args(argv)
     if args.from_json is not None:
@@ -198,8 +206,8 @@ def main(argv=None) -> None:
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "ring_memory.json").write_text(json.dumps(result, indent=1) + "\n")
-        (args.out / "ring_memory.md").write_text(text)
+        (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+        (args.out / f"{args.name}.md").write_text(text)
 
 
 if __name__ == "__main__":

@@ -52,8 +52,9 @@ CASES = {
 # float32 is the contract; bfloat16 also rounds each block's output before the merge, and
 # float64 is limited by the float32 lse the backends return
 TOLERANCES = {torch.float32: TOL, torch.bfloat16: dict(atol=3e-2, rtol=3e-2), torch.float64: dict(atol=1e-6, rtol=1e-6)}
-# the backward's score tiles, small and odd so every case crosses row and column tile edges
-TINY_TILES = (1, 3)  # (TILE_ELEMENTS, MIN_TILE)
+# the backward's score tiles, the block backward's pieces and the dK/dV swap's pieces, small and odd
+# so every case crosses row and column tile edges, cuts its pairs unevenly and swaps dK/dV in pieces
+TINY_TILES = (1, 3, 3, 100)  # (TILE_ELEMENTS, MIN_TILE, block_backward.MIN_PIECE_ROWS, exchange.SWAP_MIN_PIECE_BYTES)
 
 
 def _inputs(case: dict, world: int):
@@ -85,10 +86,11 @@ def _check_case(case: dict, rank: int, world: int) -> None:
     import torch.distributed as dist
 
     from attnx.distributed import backward as tiles
-    from attnx.distributed import block_backward
+    from attnx.distributed import block_backward, exchange
 
-    defaults = (tiles.TILE_ELEMENTS, tiles.MIN_TILE)
-    tiles.TILE_ELEMENTS, tiles.MIN_TILE = case.get("tiles", TINY_TILES) or defaults
+    defaults = (tiles.TILE_ELEMENTS, tiles.MIN_TILE, block_backward.MIN_PIECE_ROWS, exchange.SWAP_MIN_PIECE_BYTES)
+    (tiles.TILE_ELEMENTS, tiles.MIN_TILE, block_backward.MIN_PIECE_ROWS,
+     exchange.SWAP_MIN_PIECE_BYTES) = case.get("tiles", TINY_TILES) or defaults
     ran = {"kernel": 0, "torch": 0}  # which rule computed the block backwards (block_backward.py)
     originals = (block_backward.attention_backward, block_backward.backward_block)
 
@@ -104,7 +106,7 @@ def _check_case(case: dict, rank: int, world: int) -> None:
     try:
         _compare(case, rank, world, dist)
     finally:
-        tiles.TILE_ELEMENTS, tiles.MIN_TILE = defaults
+        tiles.TILE_ELEMENTS, tiles.MIN_TILE, block_backward.MIN_PIECE_ROWS, exchange.SWAP_MIN_PIECE_BYTES = defaults
         block_backward.attention_backward, block_backward.backward_block = originals
     if case.get("grad", True) and case.get("offset") != "-half":
         # the backends' own backward kernels with the global lse, unless none takes a given lse:

@@ -5,7 +5,8 @@ rank in one `torch.distributed.batch_isend_irecv`. It returns at once with a `Pe
 caller computes on the block it holds and calls `Pending.wait` only when it needs the next
 one, so the transfer overlaps the local block's compute (gloo runs transfers on its own
 threads; on CUDA they are issued on a separate stream, which the compute stream waits for
-in `wait`).
+in `wait`). `Ring.shift_in_place` trades that overlap for memory: tensors are replaced piece by
+piece by the previous rank's, with one piece in flight.
 """
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ import torch.distributed as dist
 from .group import global_rank
 
 _STREAMS: dict = {}
+# `Ring.shift_in_place`: pieces per tensor, and the smallest piece (a round trip each)
+SWAP_PIECES = 8
+SWAP_MIN_PIECE_BYTES = 1 << 18
 
 
 def comm_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
@@ -73,6 +77,25 @@ class Ring:
             for t in list(tensors) + received:
                 t.record_stream(self.stream)
         return Pending(works, list(tensors), received, self.stream)
+
+
+    def shift_in_place(self, tensors: Sequence[torch.Tensor], tag: int) -> None:
+        """`shift` that overwrites each of `tensors` (contiguous) with what the previous rank sends.
+
+        The tensors travel in about `SWAP_PIECES` pieces each (of at least `SWAP_MIN_PIECE_BYTES`),
+        one after the other, through one scratch
+        piece: the memory in flight is one piece, not a second copy of every tensor (the cost:
+        the pieces' round trips in sequence, not overlapped with compute).
+        """
+        for i, t in enumerate(tensors):
+            flat = t.view(-1)
+            step = max(-(-flat.numel() // SWAP_PIECES), SWAP_MIN_PIECE_BYTES // t.element_size(), 1)
+            scratch = torch.empty(min(step, flat.numel()), dtype=t.dtype, device=t.device)
+            for a in range(0, flat.numel(), step):
+                n = min(step, flat.numel() - a)
+                piece, landing = flat.narrow(0, a, n), scratch.narrow(0, 0, n)
+                self.shift([piece], tag + i, out=[landing]).wait()
+                piece.copy_(landing)
 
 
 def all_gather_start(t: torch.Tensor, group, world_size: int) -> Pending:

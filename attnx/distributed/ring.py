@@ -5,19 +5,19 @@ rank ``r + 1`` (and receiving the next one from ``r - 1``), compute the rank's q
 it (`forward.forward_block`), then wait for the transfer. The partial results are merged
 exactly through their lse, online, as `attnx.merge` does.
 
-Backward, step t: the block's dK/dV accumulators come in from rank ``r - 1`` (which handled block
-``r - t`` at step t - 1; the block's owner starts them at zero), rank r starts the next K/V shift,
-adds its queries' share of the block's gradients into them on a backend's backward kernel
-(`block_backward.BlockBackward`: `attnx.attention_backward` with the global out and lse) and
-passes them on to rank ``r + 1``. After the last step one more shift brings every block's dK/dV
-home. The accumulators travel in float32 (float64 for float64 inputs), so P hops do not round
-them P times.
+Backward, step t: rank r holds the dK/dV accumulators of block ``r - t`` (the block's owner starts
+them at zero at step 0), starts the next K/V shift, adds its queries' share of the block's
+gradients into the accumulators in place on a backend's backward kernel
+(`block_backward.BlockBackward`: `attnx.attention_backward` with the global out and lse), then
+swaps them for the next block's: they go to rank ``r + 1`` while rank ``r - 1``'s come in, piece
+by piece into the same buffers (`exchange.Ring.shift_in_place`). The swap after the last step
+brings every block's dK/dV home. The accumulators travel in float32 (float64 for float64
+inputs), so P hops do not round them P times.
 
-Memory per rank, beyond the saved tensors (q, k, v, out, lse) and dQ: while a block computes,
-the K/V block in hand, the next one arriving, and the block's dK/dV accumulators (added into in
-place). The K/V transfer overlaps the compute; the dK/dV transfer does not (the accumulators
-are awaited before the next K/V shift starts), which keeps a third K/V-sized pair of buffers
-out of the peak (docs/distributed.md, "Memory per rank").
+Memory per rank, beyond the saved tensors (q, k, v, out, lse) and dQ: the K/V block in hand, the
+next one arriving and one block's dK/dV accumulators. The K/V transfer overlaps the compute;
+the dK/dV swap does not (it moves one piece at a time), which keeps a second and third
+K/V-sized pair of buffers out of the peak (docs/distributed.md, "Memory per rank").
 """
 from __future__ import annotations
 
@@ -67,22 +67,20 @@ class RingAttention(torch.autograd.Function):
         kv = own_kv(spec, k, v)
         size, rank = spec.world_size, spec.rank
         ring = Ring(spec.group, rank, size, q.device) if size > 1 else None
-        passing = None  # the transfer bringing the dK/dV accumulators of the next block
+        grads = None  # the dK/dV accumulators of the block in hand
         for step in range(size):
-            # the block's dK/dV from the ranks before this one (its owner starts them at zero); waiting
-            # here, before the next K/V shift starts, frees the accumulators this rank sent last step
-            grads = key_accumulators(kv[0], kv[1], dq.dtype) if passing is None else passing.wait()
-            passing = None
+            # the block's owner starts its accumulators at zero; later steps hold the ones received
+            if grads is None:
+                grads = key_accumulators(kv[0], kv[1], dq.dtype)
             kv_pending = ring.shift(kv, TAG_KV) if step < size - 1 else None
             blocks.add(kv[0], kv[1], spec.chunks((rank - step) % size), *grads)
             if kv_pending is not None:
                 kv = kv_pending.wait()  # the block in hand is released here
-            if ring is not None:  # on to the next rank (after the last step: home to the block's owner)
-                passing = ring.shift(grads, TAG_DKV)
-                grads = None
+            if ring is not None:
+                # on to the next rank, replaced by the next block's from the previous one (after the
+                # last step: this rank's own block's, home)
+                ring.shift_in_place(grads, TAG_DKV)
         del kv
-        if passing is not None:
-            grads = passing.wait()
         dsinks = sinks_grad(sinks, lse, delta).to(sinks.dtype) if ctx.needs_input_grad[4] else None
         return (None, grad_like(spec.layout, dq, q.dtype), grad_like(spec.layout, grads[0], k.dtype),
                 grad_like(spec.layout, grads[1], v.dtype), dsinks)
