@@ -153,6 +153,10 @@ def test_wrapping_a_bhsd_cache_writes_through_the_view():
     want = attnx.attention(q, k_cache, v_cache, seqlens_k=torch.tensor([6, 9], dtype=torch.int32), causal=True,
                            backend="naive")
     torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-9)
+    cache.set_lengths([9, 9])                                           # one length: the slice-copy path
+    k1, v1 = _randn(2, 2, 1, 16), _randn(2, 2, 1, 16)
+    cache.append(k1, v1)
+    assert torch.equal(k_cache[:, :, 9], k1[:, :, 0]) and torch.equal(v_cache[:, :, 9], v1[:, :, 0])
 
 
 def test_unequal_lengths_write_at_each_sequences_own_end():
