@@ -474,3 +474,29 @@ def test_serving_page_format_table_matches_the_backends_declarations():
             assert cell.startswith("yes") == declared, f"{cells[0]} / {name}: page says {cell!r}"
             assert cell.startswith("yes") or cell == "declines", cell
     assert seen == set(rows) and set(header[1:]) == set(backends)
+
+
+@pytest.mark.parametrize("kind", [None, 16], ids=["contiguous", "page16"])
+def test_cache_plan_with_packed_queries_and_bshd(kind):
+    """Packed new tokens (different counts per step) through a plan fixed at max_seqlen_q; bshd dense steps."""
+    torch.manual_seed(17)
+    a, b = _make(kind, dtype=torch.float32), _make(kind, dtype=torch.float32)
+    cu0 = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
+    step = a.plan(torch.randn(5, 4, 16), cu_seqlens=cu0, max_seqlen_q=4, causal=True)
+    for counts in ([2, 0, 3], [1, 4, 0], [3, 1, 1]):
+        cu = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int32)
+        q, k, v = torch.randn(5, 4, 16), torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+        got = step.run(q, k, v, cu_seqlens=cu)
+        want = b.attend(q, k, v, cu_seqlens=cu, causal=True)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert a.seqlens == b.seqlens == [6, 5, 4]
+    cu = torch.tensor([0, 5, 5, 5], dtype=torch.int32)
+    with pytest.raises(InvalidArgumentError, match="max_seqlen_q"):
+        step.run(torch.randn(5, 4, 16), torch.randn(5, 2, 16), torch.randn(5, 2, 16), cu_seqlens=cu)
+    assert a.seqlens == [6, 5, 4]
+    with pytest.raises(InvalidArgumentError, match="max_seqlen_q"):
+        a.plan(torch.randn(5, 4, 16), cu_seqlens=cu0, causal=True)
+    step = a.plan(torch.randn(3, 1, 4, 16), layout="bshd", causal=True)
+    q, k, v = torch.randn(3, 1, 4, 16), torch.randn(3, 1, 2, 16), torch.randn(3, 1, 2, 16)
+    torch.testing.assert_close(step.run(q, k, v), b.attend(q, k, v, layout="bshd", causal=True), rtol=0, atol=0)
