@@ -1,6 +1,8 @@
-"""Small fwd + bwd problems through the cuda backend, for compute-sanitizer (memcheck, racecheck).
+"""Small fwd + bwd problems through the cuda backend, for compute-sanitizer (memcheck, racecheck, synccheck).
 
     compute-sanitizer --tool memcheck python benchmarks/cuda_sanitize.py
+
+On sm_90 the forwards run the Hopper family (TMA, mbarriers, wgmma), the backwards the Ampere kernels.
 """
 import sys
 from pathlib import Path
@@ -21,6 +23,9 @@ CASES = [
     dict(dtype=torch.float16, hq=2, hkv=2, sq=50, sk=50, d=40, dv=24),
     dict(dtype=torch.float16, hq=4, hkv=2, sq=90, sk=60, d=64, causal=True, offset=-25, sinks=True),
     dict(dtype=torch.bfloat16, hq=2, hkv=2, sq=40, sk=100, d=128, window=(30, 4), offset=70, sinks=True),
+    # several key blocks, so the Hopper forward's K/V ring wraps around its buffers
+    dict(dtype=torch.bfloat16, hq=4, hkv=1, sq=260, sk=900, d=128, causal=True),
+    dict(dtype=torch.float16, hq=2, hkv=2, sq=130, sk=400, d=192, layout="bshd"),
 ]
 
 for c in CASES:
