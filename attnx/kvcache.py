@@ -244,7 +244,7 @@ class KVCache:
         int32 ``(B,)`` tensor (read once: a device sync on a GPU). Kept keys are not touched."""
         if isinstance(lengths, torch.Tensor):
             if lengths.dtype not in (torch.int32, torch.int64) or tuple(lengths.shape) != (self.batch,):
-                raise InvalidArgumentError(f"`lengths` must be an int32 tensor of shape ({self.batch},), got "
+                raise InvalidArgumentError(f"`lengths` must be an integer tensor of shape ({self.batch},), got "
                                            f"{lengths.dtype} {tuple(lengths.shape)}")
             values = lengths.tolist()
         elif isinstance(lengths, (list, tuple)):

@@ -47,7 +47,8 @@ def _make(kind, batch=3, capacity=40, heads_kv=2, dim=16, dim_v=16, dtype=torch.
 
 def _check_dense_step(cache, shadow, n, heads_q, layout, options, dtype=torch.float64):
     B, Hkv, D, Dv = cache.batch, cache.heads_kv, cache.head_dim, cache.head_dim_v
-    q, k, v = _randn(B, heads_q, n, D, dtype=dtype), _randn(B, Hkv, n, D, dtype=dtype), _randn(B, Hkv, n, Dv, dtype=dtype)
+    q, k, v = (_randn(B, heads_q, n, D, dtype=dtype), _randn(B, Hkv, n, D, dtype=dtype),
+               _randn(B, Hkv, n, Dv, dtype=dtype))
     for b in range(B):
         shadow.add(b, k[b], v[b])
     if layout == "bshd":
@@ -375,7 +376,8 @@ torch.manual_seed(0)
 for kind in (None, 1, 16):
     for layout in ("bhsd", "bshd"):
         cache = attnx.KVCache.allocate(2, 48, 2, 24, page_size=kind)
-        cache.append(torch.randn(7, 2, 24), torch.randn(7, 2, 24), cu_seqlens=torch.tensor([0, 0, 7], dtype=torch.int32))
+        cu = torch.tensor([0, 0, 7], dtype=torch.int32)
+        cache.append(torch.randn(7, 2, 24), torch.randn(7, 2, 24), cu_seqlens=cu)
         keys = [cache.sequence(b)[0].clone() for b in range(2)]        # (Hkv, L, D) per sequence; 0 empty
         vals = [cache.sequence(b)[1].clone() for b in range(2)]
         q = torch.randn(2, 4, 1, 24)                                   # no new tokens: sequence 0 sees nothing
