@@ -48,6 +48,7 @@ def pytest_generate_tests(metafunc):
             params.append(pytest.param((name, None, device), id=f"{name}-unavailable",
                                        marks=pytest.mark.skip(reason=problem)))
             continue
-        for case in select_cases(name, config.getoption("--profile"), max_seqlen=config.getoption("--max-seqlen")):
+        for case in select_cases(name, config.getoption("--profile"), max_seqlen=config.getoption("--max-seqlen"),
+                                 device=device):
             params.append(pytest.param((name, case, device), id=f"{name}-{case.id}"))
     metafunc.parametrize("conformance_case", params)

@@ -101,15 +101,18 @@ def _cuda_problem(dtype=torch.bfloat16, seqlen=1024, head_dim=128, heads_kv=4, a
 ])
 def test_cuda_kernel_choice_and_rank(options, kernel, rank):
     p = _cuda_problem(**options)
-    assert torch_cuda.kernel_name(p) == kernel
-    assert bool(BACKEND.declared_reasons(p) + BACKEND.extra_reasons(p)) == (kernel is None)
+    declined = bool(BACKEND.reasons(p))
+    assert declined == (kernel is None)
+    assert not BACKEND.extra_reasons(p)  # the declarations say every CUDA limit (sizes aside)
+    if not declined:
+        assert torch_cuda.kernel_name(p) == kernel
     if rank is not None:
         assert BACKEND.rank(p.bucketed()) == rank
 
 
 def test_cuda_deterministic_backward_is_declined():
     p = _cuda_problem(needs_grad=True, deterministic=True)
-    assert any("deterministic" in r for r in BACKEND.extra_reasons(p))
+    assert any("deterministic" in r for r in BACKEND.declared_reasons(p))
 
 
 @pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(seqlen=128, heads_kv=2)])

@@ -43,15 +43,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     backend = attnx.get_backend(args.backend)
-    cases = select_cases(args.backend, args.profile, max_seqlen=args.max_seqlen, match=args.match)
+    device = args.device or default_device(backend)
+    problem = device_problem(backend, device)
+    if problem and not args.list:
+        print(f"cannot test: {problem}", file=sys.stderr)
+        return 2
+    # the grid of what the backend declares on that device (the CPU's where it cannot run here)
+    cases = select_cases(args.backend, args.profile, max_seqlen=args.max_seqlen, match=args.match,
+                         device=None if problem else device)
     if args.list:
         print("\n".join(c.id for c in cases))
         return 0
-    device = args.device or default_device(backend)
-    problem = device_problem(backend, device)
-    if problem:
-        print(f"cannot test: {problem}", file=sys.stderr)
-        return 2
 
     def progress(r):
         if not args.quiet or r.status == "fail":

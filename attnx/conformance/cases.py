@@ -143,6 +143,9 @@ class Case:
 def head_dim_ok(backend, dim: int) -> bool:
     if backend.head_dims is not None and dim not in backend.head_dims:
         return False
+    multiple = getattr(backend, "head_dim_multiple", None)
+    if multiple is not None and dim % multiple:
+        return False
     return backend.max_head_dim is None or dim <= backend.max_head_dim
 
 

@@ -194,7 +194,7 @@ def _run(result: Result, backend_name: str, case: Case, device, allow_extra_decl
         out.backward(inputs.dout)
         grads = {n: views[n].grad for n in GRAD_NAMES if n in views and views[n].requires_grad}
     _check_layout(result, case, inputs, out, lse, grads, views, device)
-    if backend.deterministic and case.group in DETERMINISM_GROUPS:
+    if backend.declarations(p.device_classes).deterministic and case.group in DETERMINISM_GROUPS:
         _check_deterministic(result, backend_name, case, device, out, lse, grads)
     for name, leaf in inputs.leaves.items():
         if not torch.equal(torch.nan_to_num(leaf.detach()), torch.nan_to_num(snapshot[name])):

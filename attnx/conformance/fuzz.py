@@ -37,8 +37,9 @@ import torch
 
 import attnx
 
-from .cases import DTYPES, MASK_SHAPES, MEMORY, Case
+from .cases import DTYPES, MASK_SHAPES, MEMORY, Case, head_dim_ok
 from .check import Result, run_case
+from .runner import declarations_on
 from .known_issues import KNOWN_ISSUES, KnownIssue, known_issue  # noqa: F401  (re-exported)
 
 # simplest first: hypothesis shrinks a sampled value toward the front of its list
@@ -81,9 +82,7 @@ SPACES = {
 
 # -- the strategy ----------------------------------------------------------------------------
 def _head_dim_ok(backend, dim: int) -> bool:
-    if backend.head_dims is not None and dim not in backend.head_dims:
-        return False
-    return backend.max_head_dim is None or dim <= backend.max_head_dim
+    return head_dim_ok(backend, dim)
 
 
 def _nan_key_visible(c: Case) -> bool:
@@ -299,7 +298,7 @@ def fuzz(backend_name: str, count: int, seed: int = 0, *, device: str = "cpu", s
 
     backend = attnx.get_backend(backend_name)
     space = SPACES[space] if isinstance(space, str) else space
-    strategy = case_strategy(backend, space)
+    strategy = case_strategy(declarations_on(backend, str(device)), space)  # what it declares on that device
     run = FuzzRun(backend_name, str(device), seed, space)
     known: set = set()
     start = time.perf_counter()

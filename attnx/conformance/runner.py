@@ -7,6 +7,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 import attnx
+from attnx.problem import Problem
 
 from .cases import Case, generate_cases
 from .check import Result, run_case
@@ -43,11 +44,21 @@ def available_backends() -> list[str]:
     return names
 
 
+def declarations_on(backend, device: Optional[str] = None):
+    """`backend`'s declarations on `device` (default: the CPU's): what the grid is generated from.
+
+    A backend whose declarations differ by device (`Backend.device_declarations`) gets the grid of
+    what it computes there; the device's classes are those of any problem on it.
+    """
+    probe = Problem.create(device=device or "cpu", dtype=torch.float32, batch=1, heads_q=1, seqlen_q=1, head_dim=1)
+    return backend.declarations(probe.device_classes)
+
+
 def select_cases(backend_name: str, profile: str, *, max_seqlen: Optional[int] = None,
-                 match: Optional[str] = None) -> list[Case]:
-    """The generated grid for a backend, optionally without cases longer than `max_seqlen`
-    or whose id lacks the substring `match`."""
-    cases = generate_cases(attnx.get_backend(backend_name), profile)
+                 match: Optional[str] = None, device: Optional[str] = None) -> list[Case]:
+    """The grid generated from a backend's declarations on `device` (default: the CPU's), optionally
+    without cases longer than `max_seqlen` or whose id lacks the substring `match`."""
+    cases = generate_cases(declarations_on(attnx.get_backend(backend_name), device), profile)
     if max_seqlen is not None:
         cases = [c for c in cases if max(c.seqlen_q, c.seqlen_k) <= max_seqlen]
     if match:

@@ -1,11 +1,16 @@
 """torch: torch's own fused attention kernels, for the problems they compute exactly as attnx does.
 
+What each device path computes is declared as data: the class attributes are the CPU path,
+`cuda.CUDA_DECLARATIONS` what differs on CUDA (`Backend.device_declarations`), so the shared
+reason code declines exactly what a path does not compute.
+
 On the CPU: the flash kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``): every
 float dtype and head dim, GQA, bool/additive masks, causal, windows and explicit offsets
 (rules ``is_causal`` cannot say become an additive mask; see ``masks.py``). On NVIDIA GPUs:
-cuDNN and FlashAttention-2 for fp16/bf16 without a mask tensor (``cuda.py``). The lse comes
-from the ops themselves (they return logsumexp); the backward calls their backward ops.
-Declined: softcap, ALiBi, sinks, mask gradients, ``Dv != D``, the varlen/cache/paged formats.
+cuDNN and FlashAttention-2 for fp16/bf16, head dims multiple of 8 up to 256, no mask tensor,
+no window or offset, causal only with Sq == Sk (``cuda.py``). The lse comes from the ops
+themselves (they return logsumexp); the backward calls their backward ops. Declined everywhere:
+softcap, ALiBi, sinks, mask gradients, ``Dv != D``, the varlen/cache/paged formats.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import torch
 
 from attnx.backend import Backend
 from attnx.inputs import Grads, Inputs
+from attnx.limits import length_reasons
 from attnx.problem import Problem, length_bucket
 
 from . import cpu, cuda
@@ -43,7 +49,8 @@ class TorchBackend(Backend):
     supports_alibi = False
     supports_softcap = False
     supports_offset = True
-    deterministic = True   # the CPU kernel; CUDA declines deterministic problems in extra_reasons
+    deterministic = True   # the CPU kernel; not declared on CUDA (cuda.CUDA_DECLARATIONS)
+    device_declarations = {"cuda": cuda.CUDA_DECLARATIONS}
     # CPU: ahead of blocked (20) and naive (30 for small problems) where measured faster
     # (benchmarks/results/cpu-2026-12-01); CUDA: behind triton and cuda, ahead of blocked,
     # except where cuDNN was measured fastest on the H200 (`rank`).
@@ -55,13 +62,13 @@ class TorchBackend(Backend):
         return []
 
     def extra_reasons(self, p: Problem) -> list[str]:
-        """CUDA: fp16/bf16, D % 8 == 0 and <= 256, no mask, causal only if Sq == Sk; CPU: masks up to 2**28 values.
+        """Size limits only (the declarations say the rest): CUDA: int32 positions; CPU: masks up to 2**28 values.
 
         On CPUs a mask the kernel would need (windows, offsets, bool masks) is built in the
         accumulation dtype; one above 2**28 elements (1 GiB in float32) is declined.
         """
         if p.device_type == "cuda":
-            return cuda.cuda_reasons(p)
+            return length_reasons(p)
         if needs_mask_tensor(p) and mask_elements(p) > MAX_MASK_ELEMENTS:
             return [f"would build an additive mask of {mask_elements(p)} elements (more than 2**28); "
                     "blocked needs none"]

@@ -1,49 +1,40 @@
 """torch's fused NVIDIA kernels: cuDNN (``_scaled_dot_product_cudnn_attention``) and FlashAttention-2
 (``_scaled_dot_product_flash_attention``), forward with logsumexp and their backward ops.
 
-Kept to the problems both compute exactly as the contract says, with no mask tensor:
-fp16/bf16, ``D == Dv``, ``D % 8 == 0``, ``D <= 256``, no mask, and causal only when
-``Sq == Sk`` (torch's kernels disagree on the alignment otherwise). cuDNN runs the
-measured winners on Hopper (`cudnn_wins`); flash the rest (it does GQA itself).
-Unverified on a GPU until the lead's H200 conformance run (docs/backends.md).
+Kept to the problems both compute exactly as the contract says (`CUDA_DECLARATIONS`, what the
+backend declares on CUDA): fp16/bf16, ``D == Dv``, ``D % 8 == 0``, ``D <= 256``, no mask tensor,
+no window or offset, and causal only when ``Sq == Sk`` (torch's kernels disagree on the alignment
+otherwise). cuDNN runs the measured winners on Hopper (`cudnn_wins`); flash the rest (it does GQA
+itself).
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 
 from attnx.autograd import alloc_out
 from attnx.inputs import Grads, Inputs
-from attnx.limits import length_reasons
 from attnx.problem import Problem, length_bucket
 
-from .masks import needs_mask_tensor, uses_is_causal
+from .masks import uses_is_causal
 
 HALF = (torch.float16, torch.bfloat16)
 CUDNN_HEAD_DIMS = (64, 128)     # measured (benchmarks/results/h200-2026-11-29)
 CUDNN_MIN_SEQLEN = 512          # the shortest sequence measured; a power of two (dispatch buckets)
 
 
-def cuda_reasons(p: Problem) -> list[str]:
-    """Why torch's fused NVIDIA kernels cannot compute `p` exactly (empty when they can)."""
-    reasons = []
-    if p.vendor != "nvidia":
-        reasons.append(f"{p.vendor} GPUs not supported (torch's fused kernels are checked on NVIDIA only)")
-    if p.dtype not in HALF:
-        reasons.append("on CUDA only float16 and bfloat16 (torch's fused kernels with logsumexp)")
-    if p.head_dim != p.head_dim_v or p.head_dim % 8 or p.head_dim > 256:
-        reasons.append(f"on CUDA head_dim must equal head_dim_v, be a multiple of 8 and <= 256 (got "
-                       f"{p.head_dim}/{p.head_dim_v})")
-    if p.mask_kind is not None:
-        reasons.append("on CUDA no mask tensor (a hidden NaN key would leak through an additive mask)")
-    elif needs_mask_tensor(p):
-        reasons.append("on CUDA only full attention or causal attention with Sq == Sk (no windows or offsets)")
-    elif uses_is_causal(p) and p.seqlen_q != p.seqlen_k:
-        reasons.append("on CUDA causal only with Sq == Sk (torch's kernels differ on the alignment otherwise)")
-    if p.needs_grad and p.deterministic:
-        reasons.append("torch.use_deterministic_algorithms(True): torch's fused CUDA backward is not checked for it")
-    return reasons + length_reasons(p)
+# What torch's fused NVIDIA kernels compute exactly as the contract says, as declarations
+# (`Backend.device_declarations`); the shared reason code turns them into reasons.
+CUDA_DECLARATIONS = {
+    "vendors": frozenset({"nvidia"}),            # ROCm's kernels are not checked
+    "dtypes": frozenset(HALF),                   # the fused kernels with logsumexp
+    "max_head_dim": 256,
+    "head_dim_multiple": 8,
+    "mask_kinds": frozenset(),                   # a hidden NaN key would leak through an additive mask
+    "supports_window": False,                    # is_causal is the only positional rule they take
+    "supports_offset": False,
+    "causal_needs_equal_lengths": True,          # their causal alignments differ when Sq != Sk
+    "deterministic": False,                      # the fused backward is not checked bit for bit
+}
 
 
 def cudnn_wins(p: Problem) -> bool:
@@ -98,8 +89,6 @@ def backward(p: Problem, x: Inputs, out, lse, dout) -> Grads:
     return Grads(dq, dk, dv)
 
 
-def kernel_name(p: Problem) -> Optional[str]:
-    """Which torch kernel runs `p` on CUDA ("cudnn" or "flash"), or None when declined."""
-    if cuda_reasons(p):
-        return None
+def kernel_name(p: Problem) -> str:
+    """Which torch kernel runs an accepted CUDA problem `p`: "cudnn" or "flash"."""
     return "cudnn" if cudnn_wins(p) else "flash"
