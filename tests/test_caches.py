@@ -13,7 +13,8 @@ Who controls which cache:
   The JIT launches of backends/triton/launch.py and the ahead-of-time compiles of
   `attnx.backends.triton.aot` both end in `triton.compile`, which uses Triton's `FileCacheManager`
   in `TRITON_CACHE_DIR` (default `~/.triton/cache`) as the user's environment sets it; attnx sets
-  no cache knob, manager or directory, and leaves Triton's autotuning cache off (its default). The
+  no cache knob, manager or directory, and leaves Triton's autotuning cache off (its default; the
+  environment can turn it on with TRITON_CACHE_AUTOTUNING=1). The
   TRITON_INTERPRET=1 interpreter compiles nothing. So the rows below record Triton's own behaviour,
   tested through the same `triton.compile` call the launcher makes (for sm_80, no GPU needed); rows
   tagged T1-T3 are Triton's defects that attnx inherits (docs/reliability.md).
