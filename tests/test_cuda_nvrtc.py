@@ -165,13 +165,14 @@ def test_priority(arch, rank):
     assert BACKEND.rank(_problem(arch, needs_grad=True)) == rank
 
 
-@pytest.mark.parametrize("arch,rank", [("sm_80", 80), ("sm_90", 95)])
+@pytest.mark.parametrize("arch,rank", [("sm_80", 80), ("sm_90", 93)])
 def test_forward_priority_on_hopper_is_above_triton(arch, rank):
-    """Forward-only problems on sm_90 run the wgmma/TMA family, measured faster than triton there."""
+    """Forward-only problems on sm_90 run the wgmma/TMA family: faster than triton there, slower than cuDNN
+    (the torch backend) where that runs (H200, 2026-12-01)."""
     p = _problem(arch)
     assert BACKEND.rank(p) == rank
     if arch == "sm_90":
-        assert rank > attnx.get_backend("triton").rank(p)
+        assert attnx.get_backend("triton").rank(p) < rank < attnx.get_backend("torch").rank(p)
 
 
 @pytest.mark.parametrize("arch", ["sm_75", "sm_100", "sm_120"])

@@ -38,11 +38,12 @@ class CudaBackend(Backend):
     deterministic = False             # dQ is accumulated with fp32 atomics
     supports_offset = True
     supports_sinks = True
-    # measured on the H200 (2026-12-01, bf16, 16k tokens): the Hopper forward runs 0.93-0.98x cuDNN, above
-    # triton's 0.77-0.88x, so forward-only problems come here first; training keeps the Ampere backward,
-    # slower than triton's there
+    # measured on the H200 (2026-12-01, bf16): the Hopper forward runs 0.77-1.01x cuDNN, above triton
+    # everywhere (1.1-10x), so forward-only problems come here before triton (90) but after the torch
+    # backend where it runs cuDNN (95: MHA, D 64/128); training keeps the Ampere backward, slower than
+    # triton's there
     priority = {"cuda:nvidia": 80, "cuda:sm_90": 60}
-    forward_priority = {"cuda:sm_90": 95}
+    forward_priority = {"cuda:sm_90": 93}
     required_modules = ("cupy",)
     install_hint = 'pip install "attnx[cuda13]"  (or [cuda12])'
 
