@@ -135,26 +135,21 @@ struct Rows {
 
 // One key block's scores -> unnormalised probabilities, packed as the 16-bit A operand of P V
 // (for 16-bit types the accumulator and operand layouts coincide: each k-step of 16 keys is two
-// 8-column chunks), and the factors that rescale the accumulator. The scores are only read:
-// ptxas waits for every wgmma in flight before the first write to any accumulator register, so
-// writing the probabilities in place would stall this softmax behind the P V it should hide.
-template <bool BF16, bool MOD, int BN>
-DEVI void softmax_block(float (&s)[BN / 2], u32 (&pa)[BN / 16][4], Rows& r, float (&alpha)[2],
-                        const Visibility& vis, const ScoreMod& mod, float unit, int row0, int n0, int t4,
-                        bool need_mask) {
-  // masked or modified scores need their own registers for the same reason
-  float x[BN / 2];
+// 8-column chunks), and the factors that rescale the accumulator. The probabilities go to fresh
+// registers; masking and score mods write the scores in place (more registers would spill).
+template <bool BF16, bool MOD, bool MASK, int BN>
+DEVI void softmax_block(float (&x)[BN / 2], u32 (&pa)[BN / 16][4], Rows& r, float (&alpha)[2],
+                        const Visibility& vis, const ScoreMod& mod, float unit, int row0, int n0, int t4) {
+  if constexpr (MOD) {
 #pragma unroll
-  for (int i = 0; i < BN / 2; ++i) {
-    x[i] = s[i];
-    if constexpr (MOD) {
+    for (int i = 0; i < BN / 2; ++i) {
       const int row = row0 + ((i >> 1) & 1) * 8;
       const int col = n0 + (i >> 2) * 8 + 2 * t4 + (i & 1);
       float dcap;
       x[i] = apply_score_mod(mod, x[i], row, col, &dcap) * ATTNX_LOG2E;
     }
   }
-  if (need_mask) {
+  if constexpr (MASK) {
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) {
       const int row = row0 + ((i >> 1) & 1) * 8;
@@ -187,6 +182,17 @@ DEVI void softmax_block(float (&s)[BN / 2], u32 (&pa)[BN / 16][4], Rows& r, floa
   }
   r.sum[0] = r.sum[0] * alpha[0] + sum[0];
   r.sum[1] = r.sum[1] * alpha[1] + sum[1];
+}
+
+// The softmax of a block, masked or not: two whole copies, so the code after the join (a wgmma
+// wait in the pipelined loop) cannot be scheduled between the mask and the exponentials.
+template <bool BF16, bool MOD, int BN>
+DEVI void softmax_any(bool masked, float (&x)[BN / 2], u32 (&pa)[BN / 16][4], Rows& r, float (&alpha)[2],
+                      const Visibility& vis, const ScoreMod& mod, float unit, int row0, int n0, int t4) {
+  if (masked)
+    softmax_block<BF16, MOD, true, BN>(x, pa, r, alpha, vis, mod, unit, row0, n0, t4);
+  else
+    softmax_block<BF16, MOD, false, BN>(x, pa, r, alpha, vis, mod, unit, row0, n0, t4);
 }
 
 template <int HD>
@@ -254,10 +260,10 @@ DEVI void consume(const AttnParams& p, const Tile& t, const Visibility& vis, u32
   auto my_turn = [&]() {
     if constexpr (kPingpong) named_sync(TURN_BARRIER + consumer, 256);
   };
-  auto their_turn = [&](int i) {
-    // the second consumer's last hand-over would have no taker
-    if constexpr (kPingpong)
-      if (!(consumer == 1 && i == n_blocks - 1)) named_arrive(TURN_BARRIER + (1 - consumer), 256);
+  auto their_turn = [&](int) {
+    // no thread-dependent condition here: ptxas would see a divergent path among the wgmmas and
+    // serialise them; the second consumer's last hand-over is taken after the loop instead
+    if constexpr (kPingpong) named_arrive(TURN_BARRIER + (1 - consumer), 256);
   };
   if constexpr (kPingpong)
     if (consumer == 1 && n_blocks > 0) named_arrive(TURN_BARRIER + 0, 256);  // the first consumer starts
@@ -279,8 +285,8 @@ DEVI void consume(const AttnParams& p, const Tile& t, const Visibility& vis, u32
       fence_regs(sc);
       if (lane == 0) mbar_arrive(L::k_empty(base, s));
       float alpha[2];
-      const bool masked = !tile_inside_band(vis, group_m0, 64, nb * BN, BN);
-      softmax_block<BF16, MOD, BN>(sc, pa, r, alpha, vis, mod, unit, row0, nb * BN, t4, masked);
+      const bool masked = !tile_inside_band(vis, t.m0, BM, nb * BN, BN);
+      softmax_any<BF16, MOD, BN>(masked, sc, pa, r, alpha, vis, mod, unit, row0, nb * BN, t4);
       rescale<HD>(o, alpha);
       mbar_wait(L::v_full(base, s), parity);
       wgmma_fence();
@@ -291,8 +297,11 @@ DEVI void consume(const AttnParams& p, const Tile& t, const Visibility& vis, u32
       if (lane == 0) mbar_arrive(L::v_empty(base, s));
     }
   } else if (n_blocks > 0) {
-    // block 0: S, softmax; then each step issues S of block i and P V of block i-1 together
-    u32 pa[BN / 16][4];
+    // Block 0: S, softmax. Then step i issues S of block i and P V of block i-1 together and runs
+    // block i's softmax under that P V. P alternates between two register sets: with one set the
+    // next P would be copied into the registers the P V in flight reads, and ptxas, coalescing the
+    // copy, would hoist the wait for that P V above the softmax (NOTES.md).
+    u32 pa[BN / 16][4], pb[BN / 16][4];
     {
       float sc[BN / 2];
       mbar_wait(L::k_full(base, 0), 0);
@@ -306,11 +315,11 @@ DEVI void consume(const AttnParams& p, const Tile& t, const Visibility& vis, u32
       if (lane == 0) mbar_arrive(L::k_empty(base, 0));
       float alpha[2];
       const int n0 = t.n_last * BN;
-      softmax_block<BF16, MOD, BN>(sc, pa, r, alpha, vis, mod, unit, row0, n0, t4,
-                                   !tile_inside_band(vis, group_m0, 64, n0, BN));
+      softmax_any<BF16, MOD, BN>(!tile_inside_band(vis, t.m0, BM, n0, BN), sc, pa, r, alpha, vis, mod, unit,
+                                 row0, n0, t4);
     }
     float alpha[2] = {1.f, 1.f};  // rescales O for the block whose P V comes next
-    for (int i = 1; i < n_blocks; ++i) {
+    auto step = [&](int i, u32 (&p_in)[BN / 16][4], u32 (&p_out)[BN / 16][4]) {
       const int nb = t.n_last - i, s = i % STAGES, prev = (i - 1) % STAGES;
       const u32 parity = (i / STAGES) & 1, prev_parity = ((i - 1) / STAGES) & 1;
       float sc[BN / 2];
@@ -321,35 +330,41 @@ DEVI void consume(const AttnParams& p, const Tile& t, const Visibility& vis, u32
       wgmma_fence();
       issue_qk<BF16, HD, BN>(sc, q_rows, base + L::K + s * L::KV_TILE);
       wgmma_commit();
-      issue_pv<BF16, HD, BN>(o, pa, base + L::V + prev * L::KV_TILE);
+      issue_pv<BF16, HD, BN>(o, p_in, base + L::V + prev * L::KV_TILE);
       wgmma_commit();
       their_turn(i);
       wgmma_wait<1>();  // S is ready; P V may still run
       fence_regs(sc);
       if (lane == 0) mbar_arrive(L::k_empty(base, s));
-      // the softmax runs under the P V in flight; its result becomes the next P only after the wait
-      u32 pn[BN / 16][4];
-      const bool masked = !tile_inside_band(vis, group_m0, 64, nb * BN, BN);
-      softmax_block<BF16, MOD, BN>(sc, pn, r, alpha, vis, mod, unit, row0, nb * BN, t4, masked);
+      const bool masked = !tile_inside_band(vis, t.m0, BM, nb * BN, BN);
+      softmax_any<BF16, MOD, BN>(masked, sc, p_out, r, alpha, vis, mod, unit, row0, nb * BN, t4);
       wgmma_wait<0>();
       fence_regs(o);
-      fence_regs(pa);
+      fence_regs(p_in);  // read by the P V until the wait: not to be reused before it
       if (lane == 0) mbar_arrive(L::v_empty(base, prev));
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) pa[kk][j] = pn[kk][j];
+    };
+    int i = 1;
+    for (; i + 1 < n_blocks; i += 2) {
+      step(i, pa, pb);
+      step(i + 1, pb, pa);
     }
+    const bool odd_tail = i < n_blocks;  // the last P is then in pb
+    if (odd_tail) step(i, pa, pb);
     rescale<HD>(o, alpha);
     const int last = (n_blocks - 1) % STAGES;
     mbar_wait(L::v_full(base, last), ((n_blocks - 1) / STAGES) & 1);
     wgmma_fence();
-    issue_pv<BF16, HD, BN>(o, pa, base + L::V + last * L::KV_TILE);
+    if (odd_tail)
+      issue_pv<BF16, HD, BN>(o, pb, base + L::V + last * L::KV_TILE);
+    else
+      issue_pv<BF16, HD, BN>(o, pa, base + L::V + last * L::KV_TILE);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(o);
     if (lane == 0) mbar_arrive(L::v_empty(base, last));
   }
+  if constexpr (kPingpong)
+    if (consumer == 0 && n_blocks > 0) named_sync(TURN_BARRIER + 0, 256);  // the second consumer's last turn
   write_out<BF16, HD>(p, t, to, o, r, unit, q_rows, consumer, warp_in_group, lane);
 }
 
