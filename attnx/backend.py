@@ -116,11 +116,23 @@ class Backend:
 
     def device_reasons(self, p: Problem) -> list[str]:
         """Why the declared devices, vendors and architectures exclude `p`'s device."""
-        return device_reasons(self.declarations(p.device_classes), p)
+        return device_reasons(self._declarations_of(p), p)
 
     def declared_reasons(self, p: Problem) -> list[str]:
         """Why the declared dtypes, head dims and features exclude `p` (device and machine aside)."""
-        return declared_reasons(self.declarations(p.device_classes), p)
+        return declared_reasons(self._declarations_of(p), p)
+
+    def _declarations_of(self, p: Problem) -> "Backend | Declarations":
+        """`declarations` for `p`'s device, looked up by (device type, vendor, arch): a decode loop's
+        confirmation asks this every step, and `Problem.device_classes` formats four strings."""
+        if not self.device_declarations:
+            return self
+        cache = self.__dict__.setdefault("_declarations_by_machine", {})
+        machine = (p.device_type, p.vendor, p.arch)
+        found = cache.get(machine)
+        if found is None:
+            found = cache[machine] = self.declarations(p.device_classes)
+        return found
 
     def declarations(self, device_classes: tuple) -> "Backend | Declarations":
         """The declarations in force on a device (`Problem.device_classes` names it): the backend itself

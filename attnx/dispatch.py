@@ -20,6 +20,8 @@ from .selection import allowed_backends
 _CACHE_LIMIT = 4096
 _exact: dict = {}     # (problem, allowed, registry generation) -> backend: decided or confirmed for it
 _buckets: dict = {}   # (bucketed problem, allowed, generation) -> backend: a choice to confirm
+_NO_LAST = (None, None, -1, None)
+_last = _NO_LAST      # (problem, allowed, generation, backend) of the last decision returned
 
 
 def priority(p: Problem) -> list[str]:
@@ -61,9 +63,15 @@ def choose(p: Problem, forced: Optional[str] = None):
     """The backend object that runs `p`; raises NoBackendError listing every reason."""
     allowed = (forced,) if forced is not None else allowed_backends()
     generation = registry.generation()
+    # The same Problem object again (a repeated plain call: `make_call` hands back the one it
+    # validated before) under the same restriction: the last decision, without hashing `p`.
+    last_p, last_allowed, last_generation, last_backend = _last
+    if p is last_p and allowed == last_allowed and generation == last_generation:
+        return last_backend
     exact_key = (p, allowed, generation)
     backend = _exact.get(exact_key)
     if backend is not None:
+        _remember_last(p, allowed, generation, backend)
         return backend
     bucket_key = (p.bucketed(), allowed, generation)
     backend = _buckets.get(bucket_key)
@@ -71,6 +79,7 @@ def choose(p: Problem, forced: Optional[str] = None):
     # exact sizes (Sq == Sk for a kernel's causal flag), which rounding cannot see.
     if backend is not None and not backend.reasons(p):
         _remember(_exact, exact_key, backend)
+        _remember_last(p, allowed, generation, backend)
         return backend
     if forced is not None:
         registry.get_backend(forced)  # unknown names raise
@@ -90,6 +99,7 @@ def choose(p: Problem, forced: Optional[str] = None):
     backend = registry.get_backend(chosen)
     _remember(_buckets, bucket_key, backend)
     _remember(_exact, exact_key, backend)
+    _remember_last(p, allowed, generation, backend)
     return backend
 
 
@@ -99,6 +109,13 @@ def _remember(cache: dict, key, backend) -> None:
     cache[key] = backend
 
 
+def _remember_last(p: Problem, allowed, generation: int, backend) -> None:
+    global _last
+    _last = (p, allowed, generation, backend)  # one assignment: threads never see a mixed entry
+
+
 def clear_cache() -> None:
+    global _last
+    _last = _NO_LAST
     _exact.clear()
     _buckets.clear()

@@ -12,6 +12,19 @@ from .registry import get_backend
 ENV_VAR = "ATTNX_BACKEND"
 _allowed: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("attnx_allowed_backends", default=None)
 _env_cache: dict[str, tuple] = {}
+# os.environ's own store and ATTNX_BACKEND's key in it: one dict lookup per call instead of
+# os.environ.get's encode and KeyError round trip (every attention call asks)
+_ENVIRON = os.environ
+_ENV_STORE = getattr(os.environ, "_data", None)
+_ENV_KEY = os.environ.encodekey(ENV_VAR) if _ENV_STORE is not None and hasattr(os.environ, "encodekey") else None
+
+
+def _environment_value() -> Optional[str]:
+    """ATTNX_BACKEND as the environment holds it now (None when unset)."""
+    if _ENV_KEY is None or os.environ is not _ENVIRON:
+        return os.environ.get(ENV_VAR)
+    raw = _ENV_STORE.get(_ENV_KEY)
+    return None if raw is None else _ENVIRON.decodevalue(raw)
 
 
 def normalize_names(names: Union[str, Iterable[str]], what: str) -> tuple[str, ...]:
@@ -39,7 +52,7 @@ def allowed_backends() -> Optional[tuple[str, ...]]:
     allowed = _allowed.get()
     if allowed is not None:
         return allowed
-    env = os.environ.get(ENV_VAR)
+    env = _environment_value()
     if not env:
         return None
     cached = _env_cache.get(env)

@@ -62,7 +62,7 @@ def _head_dims(backend) -> str:
 def _extra_limits(backend) -> str:
     from attnx.backend import Backend
 
-    method = type(backend).extra_reasons
+    method = type(getattr(backend, "backend", backend)).extra_reasons  # a `Declarations` view: its backend's
     if method is Backend.extra_reasons:
         return "none"
     doc = (method.__doc__ or "").strip().splitlines()
@@ -81,9 +81,10 @@ ROWS = (
     ("vendors / architectures", _capability),
     ("dtypes", lambda b: _names(b.dtypes)),
     ("head dims", _head_dims),
+    ("head dim multiple of", lambda b: str(b.head_dim_multiple) if b.head_dim_multiple else "any"),
     ("head_dim_v != head_dim", lambda b: _yes(b.supports_dv_differs)),
     ("GQA / MQA", lambda b: _yes(b.supports_gqa)),
-    ("causal", lambda b: _yes(b.supports_causal)),
+    ("causal", lambda b: _yes(b.supports_causal) + (" (Sq == Sk only)" if b.causal_needs_equal_lengths else "")),
     ("sliding window", lambda b: _yes(b.supports_window)),
     ("mask tensor", lambda b: _names(b.mask_kinds) or "no"),
     ("mask gradient", lambda b: _yes(b.supports_mask_grad)),
@@ -111,13 +112,26 @@ def _priority_line(backends) -> str:
     return text + ("; size rules: " + "; ".join(rules) if rules else "") + "."
 
 
+def columns(backends) -> list[tuple[str, object]]:
+    """(heading, declarations) per column: each backend, then one column per device class whose
+    declarations differ (`Backend.device_declarations`), e.g. "`torch` on cuda"."""
+    found = []
+    for b in backends:
+        found.append((f"`{b.name}`", b))
+        for device_class in b.device_declarations:
+            classes = tuple(dict.fromkeys((device_class, device_class.split(":")[0], "*")))
+            found.append((f"`{b.name}` on {device_class}", b.declarations(classes)))
+    return found
+
+
 def render(backends=None) -> str:
     """The generated markdown: the support matrix and each backend's description."""
     backends = builtin_backends() if backends is None else backends
-    header = "| | " + " | ".join(f"`{b.name}`" for b in backends) + " |"
-    lines = [BEGIN, "", header, "|---|" + "---|" * len(backends)]
+    cols = columns(backends)
+    header = "| | " + " | ".join(heading for heading, _ in cols) + " |"
+    lines = [BEGIN, "", header, "|---|" + "---|" * len(cols)]
     for label, cell in ROWS:
-        lines.append(f"| {label} | " + " | ".join(cell(b).replace("|", "\\|") for b in backends) + " |")
+        lines.append(f"| {label} | " + " | ".join(cell(d).replace("|", "\\|") for _, d in cols) + " |")
     lines.append("")
     for b in backends:
         lines.append(f"- **{b.name}**: {b.description}")

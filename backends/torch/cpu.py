@@ -30,7 +30,7 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def _operands(x: Inputs):
-    return tuple(_last_dim_contiguous(t) for t in (x.q, x.k, x.v))
+    return _last_dim_contiguous(x.q), _last_dim_contiguous(x.k), _last_dim_contiguous(x.v)
 
 
 def _kernel_forward(p: Problem, q, k, v, km: KernelMask):
@@ -38,14 +38,27 @@ def _kernel_forward(p: Problem, q, k, v, km: KernelMask):
         q, k, v, 0.0, km.is_causal, attn_mask=km.mask, scale=p.scale)
 
 
+def _in_caller_layout(p: Problem, out: torch.Tensor) -> bool:
+    """True when the kernel's `out` is laid out as `alloc_out` would make it (contiguous in the caller's layout).
+
+    The kernel writes its output in q's own layout, so a contiguous ``bhsd`` or ``bshd`` q gives one
+    that can be returned as it is (no second buffer, no copy).
+    """
+    return (out.transpose(1, 2) if p.layout == "bshd" else out).is_contiguous()
+
+
 def forward(p: Problem, x: Inputs):
     q, k, v = _operands(x)
-    km = kernel_mask(p, x.mask, q.device)
+    km = kernel_mask(p, x.mask, q)
     out_k, lse_k = _kernel_forward(p, q, k, v, km)
-    out = alloc_out(p, x.q)
-    out.copy_(out_k)
-    lse = lse_k.to(torch.float32, copy=True)
-    dead = dead_rows(km, p.seqlen_q)
+    if _in_caller_layout(p, out_k):
+        out = out_k
+    else:
+        out = alloc_out(p, x.q)
+        out.copy_(out_k)
+    # the kernel's own buffer (float64 inputs: a float32 copy), written below; `.to` costs ~10 µs even as a no-op
+    lse = lse_k if lse_k.dtype == torch.float32 else lse_k.float()
+    dead = None if km.mask is None else dead_rows(km, p.seqlen_q)  # top-left is_causal hides no whole row
     if dead is not None:
         # the kernel's lse is 0 there (out is already 0); a NaN row stays NaN
         lse.masked_fill_(dead & ~torch.isnan(lse), NEG_INF)
@@ -58,7 +71,7 @@ def forward(p: Problem, x: Inputs):
 
 def backward(p: Problem, x: Inputs, out, lse, dout) -> Grads:
     q, k, v = _operands(x)
-    km = kernel_mask(p, x.mask, q.device)
+    km = kernel_mask(p, x.mask, q)
     if p.dtype == torch.float64:
         lse = _kernel_forward(p, q, k, v, km)[1]
     else:

@@ -67,8 +67,14 @@ def compact(mask: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def kernel_mask(p: Problem, mask: Optional[torch.Tensor], device) -> KernelMask:
-    """The ``is_causal`` flag and additive mask that make the kernel compute `p`'s masking."""
+NO_MASKING = KernelMask(False, None, False)
+
+
+def kernel_mask(p: Problem, mask: Optional[torch.Tensor], like: torch.Tensor) -> KernelMask:
+    """The ``is_causal`` flag and additive mask (on `like`'s device) that make the kernel compute `p`'s masking."""
+    if mask is None and p.window_left is None and p.window_right is None:
+        return NO_MASKING  # full attention (the common small call: no rule to look at)
+    device = like.device
     is_causal = uses_is_causal(p)
     left, right = positional_sides(p)
     if is_causal:

@@ -1,0 +1,98 @@
+"""The fast path for repeated plain calls (`attnx.call_memo`, `dispatch._last`) never skips a check.
+
+A plain call validated once is remembered by its signature; every bad variant of it differs in
+that signature and still raises its typed error, and everything the `Problem` depends on
+(gradient mode, requires_grad, deterministic algorithms) is part of the key.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnx
+from attnx import call_memo
+from attnx.errors import InvalidArgumentError, InvalidTypeError
+from attnx.problem import make_call
+
+
+def _qkv(**kw):
+    return tuple(torch.randn(2, 4, 16, 8, **kw) for _ in range(3))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_memo():
+    call_memo.clear()
+    yield
+    call_memo.clear()
+
+
+@pytest.mark.parametrize("bad, error", [
+    (lambda q, k, v: dict(q=q, k=k.double(), v=v), InvalidTypeError),
+    (lambda q, k, v: dict(q=q, k=k[:, :, :, :4], v=v), InvalidArgumentError),
+    (lambda q, k, v: dict(q=q, k=k[:1], v=v), InvalidArgumentError),
+    (lambda q, k, v: dict(q=q, k=k, v=v[:, :3]), InvalidArgumentError),
+    (lambda q, k, v: dict(q=q.int(), k=k, v=v), InvalidTypeError),
+    (lambda q, k, v: dict(q=q, k=k, v=v, causal=1), InvalidTypeError),
+    (lambda q, k, v: dict(q=q, k=k, v=v, scale=float("inf")), InvalidArgumentError),
+    (lambda q, k, v: dict(q=q, k=k, v=v, scale=float("nan")), InvalidArgumentError),
+    (lambda q, k, v: dict(q=q, k=k, v=v, layout="bhds"), InvalidArgumentError),
+    (lambda q, k, v: dict(q=q, k=k, v=v, window=(-1, 0)), InvalidArgumentError),
+])
+def test_a_bad_variant_of_a_remembered_call_still_raises(bad, error):
+    q, k, v = _qkv()
+    for options in (dict(), dict(causal=True), dict(scale=0.5)):
+        attnx.attention(q, k, v, **options)  # remembered
+        assert make_call(q, k, v, **options)[0] is make_call(q, k, v, **options)[0]
+    with pytest.raises(error):
+        args = bad(q, k, v)
+        attnx.attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+def test_the_problem_follows_gradient_mode_and_determinism():
+    q, k, v = _qkv()
+    assert not make_call(q, k, v)[0].needs_grad
+    qg = q.clone().requires_grad_()
+    assert make_call(qg, k, v)[0].needs_grad
+    with torch.no_grad():
+        assert not make_call(qg, k, v)[0].needs_grad
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert make_call(qg, k, v)[0].deterministic
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert not make_call(qg, k, v)[0].deterministic
+
+
+def test_remembered_problems_equal_fully_validated_ones():
+    q, k, v = _qkv()
+    for options in (dict(), dict(causal=True), dict(scale=0.25), dict(layout="bshd")):
+        first = make_call(q, k, v, **options)[0]
+        call_memo.clear()
+        assert make_call(q, k, v, **options)[0] == first
+
+
+def test_only_plain_calls_are_remembered():
+    q, k, v = _qkv()
+    make_call(q, k, v, mask=torch.rand(16, 16) > 0.5)
+    make_call(q, k, v, window=(3, 0))
+    make_call(torch.nn.Parameter(q), k, v)
+    make_call(q, k, v, scale=1)  # an int scale takes the full path
+    assert not call_memo._memo
+    make_call(q, k, v)
+    assert len(call_memo._memo) == 1
+
+
+def test_the_last_decision_follows_restrictions_and_registrations(make_spy):
+    q, k, v = _qkv()
+    first = attnx.explain(q, k, v).chosen
+    out = attnx.attention(q, k, v)
+    with attnx.use_backend("naive"):
+        torch.testing.assert_close(attnx.attention(q, k, v), out, atol=1e-5, rtol=1e-5)
+        assert attnx.dispatch.choose(make_call(q, k, v)[0]).name == "naive"
+    assert attnx.dispatch.choose(make_call(q, k, v)[0]).name == first
+    spy = make_spy(priority={"*": 10_000})
+    with attnx.registered(spy):
+        attnx.attention(q, k, v)
+        assert "forward" in spy.calls
+    assert attnx.dispatch.choose(make_call(q, k, v)[0]).name == first
