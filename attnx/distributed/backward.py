@@ -3,9 +3,10 @@
 Given the *global* ``out`` and ``lse`` of the rank's queries, the gradients of one pair are
 those of FlashAttention's backward: ``P = exp(S - lse)``, ``dV = P^T dO``,
 ``dS = P * (dO V^T - delta)`` with ``delta = rowsum(dO * out)``, ``dQ = dS K * scale``,
-``dK = dS^T Q * scale`` (softcap multiplies ``dS`` by ``1 - tanh^2``). It needs neither a
-differentiable lse nor a backend's backward: attnx has no public way yet to run a backend's
-backward with a given ``(out, lse)`` (docs/distributed.md).
+``dK = dS^T Q * scale`` (softcap multiplies ``dS`` by ``1 - tanh^2``). The ring runs each block
+on a backend's own backward kernel (`block_backward`, through `attnx.attention_backward`); this
+rule is the fallback for the pieces no backend takes with a given lse (float64 inputs by
+default; ``backend="naive"``, whose backward recomputes its own normaliser).
 """
 from __future__ import annotations
 

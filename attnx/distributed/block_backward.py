@@ -23,8 +23,9 @@ from .schedule import SOME, pairs, rows
 from .sharding import Chunk
 from .spec import RingSpec
 
-# pieces per chunk, each way, and the fewest rows of a piece (measured on a 2-core CPU, fp32, D = 64:
-# the per-call outputs stop dominating the peak at 4; 1024 rows keep each call a large kernel launch)
+# pieces per chunk, each way, and the fewest rows of a piece. Measured on a 2-core CPU (fp32, D = 64,
+# S = 16k, benchmarks/ring_memory.py): quarters keep the backend's per-call outputs and scratch to a
+# few MiB of the peak; eighths saved 4 MiB more (of 70) for twice the calls.
 PIECES = 4
 MIN_PIECE_ROWS = 512
 
