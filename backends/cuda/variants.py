@@ -113,14 +113,15 @@ FORWARD_TILES = {
         192: (_A(128, 64, 8, 1), _A(64, 64, 4, 1)),
         256: (_A(128, 64, 8, 1), _A(64, 32, 4, 1)),
     },
-    # 128 rows, 12 warps (producer + 2 consumers), K/V double-buffered; block_n as wide as shared
-    # memory allows (H200, 2026-12-01, bf16 16k tokens: d128 192 keys 579 TFLOP/s vs 571 at 128, d64
-    # 444 vs 427). Overlap and pingpong stay off: both measured slower (NOTES.md says why).
+    # 128 rows, 12 warps (producer + 2 consumers), K/V double-buffered. Measured on the H200
+    # (2026-12-01, bf16, 16k tokens, x cuDNN non-causal / causal; benchmarks/results/h200-2026-12-01/
+    # hopper_forward_configs.log): the pipelined loop (overlap) needs two P register sets, so at most
+    # 128 keys per block fit 240 registers at d64/d128; pingpong pays at d128/d192 only.
     "sm90": {
-        64: (_A(128, 192, 12, 2),),
-        128: (_A(128, 192, 12, 2),),
-        192: (_A(128, 96, 12, 2),),
-        256: (_A(128, 80, 12, 2),),
+        64: (_A(128, 128, 12, 2, overlap=True),),                  # 0.96 / 0.96
+        128: (_A(128, 128, 12, 2, overlap=True, pingpong=True),),  # 1.02 / 1.08
+        192: (_A(128, 96, 12, 2, overlap=True, pingpong=True),),   # 1.08 / 1.12
+        256: (_A(128, 64, 12, 2, overlap=True),),                  # 1.03 / 1.07
     },
 }
 # head-dim tiles of each family's kernels (the backward of both is the Ampere kernel)
