@@ -56,12 +56,14 @@ def _inputs(case, device="cuda"):
     return q, k, v, opts
 
 
-def _variant(p, overlap, pingpong, block_n=None):
+def _variant(p, overlap=None, pingpong=None, block_n=None):
+    """The tile table's variant for `p`, with its flags / block_n replaced where given."""
     from attnx.backends.cuda.launch_sm90 import forward_variant_for
-
     from attnx.backends.cuda.variants import max_shared
 
     v = forward_variant_for(p)
+    if overlap is None:
+        return v
     v = v._replace(overlap=overlap, pingpong=pingpong)
     wider = v._replace(block_n=block_n or v.block_n)
     return wider if wider.shared_bytes() <= max_shared(p.capability) else v  # a block_n that does not fit: default
@@ -137,13 +139,16 @@ def time_all(configs, seqlens=(16384,), head_dims=(128, 64)) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("what", choices=("check", "time"))
-    parser.add_argument("--configs", default="11,10,01,00",
-                        help="overlap/pingpong flags per configuration, e.g. 11,10 (optionally :block_n)")
+    parser.add_argument("--configs", default="table,00",
+                        help="'table' (the shipped tiles) or overlap/pingpong flags, e.g. 11,10 (optionally :block_n)")
     parser.add_argument("--seqlens", default="16384")
     parser.add_argument("--head-dims", default="128,64")
     args = parser.parse_args(argv)
     configs = []
     for item in args.configs.split(","):
+        if item == "table":  # the shipped tile table as it is
+            configs.append(())
+            continue
         flags, _, bn = item.partition(":")
         configs.append((flags[0] == "1", flags[1] == "1", int(bn) if bn else None))
     if args.what == "check":
