@@ -120,6 +120,20 @@ def test_blocks_with_the_global_lse_add_up_to_the_whole_gradient(backend, case):
 
 
 @pytest.mark.parametrize("backend", _cpu_backends())
+def test_blocks_in_bfloat16(backend):
+    q, k, v, dout, options, offset = _problem(CASES["causal"], seed=5)
+    q, k, v, dout = (t.to(torch.bfloat16) for t in (q, k, v, dout))
+    declined = _declines(backend, q, k, v, options, offset)
+    if declined:
+        pytest.skip(f"{backend} declines: " + "; ".join(sorted(set(declined))))
+    out, lse, expected = _whole(q, k, v, dout, options, offset)
+    got = _split_backward(q, k, v, out, lse, dout, options, offset, backend)
+    for name, a, b in zip(("dq", "dk", "dv"), got, expected):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2, msg=name)
+
+
+@pytest.mark.parametrize("backend", _cpu_backends())
 def test_whole_problem_with_sinks_equals_autograd(backend):
     q, k, v, dout, options, _ = _problem(dict(heads_kv=2, causal=True), seed=3)
     sinks = torch.randn(4)

@@ -53,8 +53,10 @@ CASES = {
 # float64 is limited by the float32 lse the backends return
 TOLERANCES = {torch.float32: TOL, torch.bfloat16: dict(atol=3e-2, rtol=3e-2), torch.float64: dict(atol=1e-6, rtol=1e-6)}
 # the backward's score tiles, the block backward's pieces and the dK/dV swap's pieces, small and odd
-# so every case crosses row and column tile edges, cuts its pairs unevenly and swaps dK/dV in pieces
-TINY_TILES = (1, 3, 3, 100)  # (TILE_ELEMENTS, MIN_TILE, block_backward.MIN_PIECE_ROWS, exchange.SWAP_MIN_PIECE_BYTES)
+# so every case crosses row and column tile edges, cuts its pairs unevenly and swaps dK/dV in uneven
+# pieces: (module under attnx.distributed, name) -> value
+TINY_TILES = {("backward", "TILE_ELEMENTS"): 1, ("backward", "MIN_TILE"): 3, ("block_backward", "MIN_PIECE_ROWS"): 3,
+              ("exchange", "SWAP_PIECES"): 7, ("exchange", "SWAP_MIN_PIECE_BYTES"): 100}
 
 
 def _inputs(case: dict, world: int):
@@ -85,12 +87,14 @@ def _inputs(case: dict, world: int):
 def _check_case(case: dict, rank: int, world: int) -> None:
     import torch.distributed as dist
 
-    from attnx.distributed import backward as tiles
-    from attnx.distributed import block_backward, exchange
+    import importlib
 
-    defaults = (tiles.TILE_ELEMENTS, tiles.MIN_TILE, block_backward.MIN_PIECE_ROWS, exchange.SWAP_MIN_PIECE_BYTES)
-    (tiles.TILE_ELEMENTS, tiles.MIN_TILE, block_backward.MIN_PIECE_ROWS,
-     exchange.SWAP_MIN_PIECE_BYTES) = case.get("tiles", TINY_TILES) or defaults
+    from attnx.distributed import block_backward
+
+    modules = {name: importlib.import_module(f"attnx.distributed.{name}") for name, _ in TINY_TILES}
+    defaults = {key: getattr(modules[key[0]], key[1]) for key in TINY_TILES}
+    for (name, attr), value in (case.get("tiles", TINY_TILES) or defaults).items():
+        setattr(modules[name], attr, value)
     ran = {"kernel": 0, "torch": 0}  # which rule computed the block backwards (block_backward.py)
     originals = (block_backward.attention_backward, block_backward.backward_block)
 
@@ -106,7 +110,8 @@ def _check_case(case: dict, rank: int, world: int) -> None:
     try:
         _compare(case, rank, world, dist)
     finally:
-        tiles.TILE_ELEMENTS, tiles.MIN_TILE, block_backward.MIN_PIECE_ROWS, exchange.SWAP_MIN_PIECE_BYTES = defaults
+        for (name, attr), value in defaults.items():
+            setattr(modules[name], attr, value)
         block_backward.attention_backward, block_backward.backward_block = originals
     if case.get("grad", True) and case.get("offset") != "-half":
         # the backends' own backward kernels with the global lse, unless none takes a given lse:
