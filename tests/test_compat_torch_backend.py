@@ -125,3 +125,18 @@ def test_cuda_launch_code_on_meta_tensors(options):
     assert out.shape == q.shape and lse.shape == (2, 4, p.seqlen_q) and lse.dtype == torch.float32
     grads = torch_cuda.backward(p, x, out, lse, torch.empty_like(out))
     assert grads.dq.shape == q.shape and grads.dk.shape == k.shape and grads.dv.shape == k.shape
+
+
+@pytest.mark.parametrize("make, kept", [
+    (lambda: torch.randn(2, 4, 16, 64, dtype=torch.float16), True),
+    (lambda: torch.randn(2, 16, 4, 64, dtype=torch.float16).transpose(1, 2), True),       # bshd storage
+    (lambda: torch.randn(2, 4, 130, 72, dtype=torch.float16)[:, :, 1:17, 3:67], False),  # odd offset, padded rows
+    (lambda: torch.randn(1, 4, 16, 64, dtype=torch.float16).expand(2, 4, 16, 64), False),  # broadcast batch
+    (lambda: torch.randn(2, 4, 16, 128, dtype=torch.float16)[..., ::2], False),          # last dim strided
+    (lambda: torch.randn((), dtype=torch.float16).expand(2, 4, 16, 64), False),          # the dout of a .sum()
+])
+def test_cuda_operands_are_copied_unless_the_kernels_can_read_them(make, kept):
+    t = make()
+    ready = torch_cuda._kernel_ready(t)
+    assert (ready is t) == kept
+    assert torch.equal(ready, t) and ready.stride(-1) == 1 and ready.data_ptr() % 16 == 0

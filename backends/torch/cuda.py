@@ -48,8 +48,19 @@ def cudnn_wins(p: Problem) -> bool:
             and length_bucket(min(p.seqlen_q, p.seqlen_k)) >= CUDNN_MIN_SEQLEN)
 
 
+def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
+    """`t` as torch's fused kernels read it, else a contiguous copy: unit last stride, a 16-byte aligned
+    start and 16-byte multiples for every other stride of a dimension longer than 1 (their vector loads:
+    a sliced view with an odd offset or padded rows would fault), no broadcast (stride 0) dimension."""
+    size = t.element_size()
+    if (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(n == 1 or (stride and stride * size % 16 == 0) for n, stride in zip(t.shape[:-1], t.stride()[:-1]))):
+        return t
+    return t.contiguous()
+
+
 def _operands(x: Inputs):
-    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in (x.q, x.k, x.v))
+    return _kernel_ready(x.q), _kernel_ready(x.k), _kernel_ready(x.v)
 
 
 def _no_rng(device) -> torch.Tensor:
@@ -83,6 +94,7 @@ def backward(p: Problem, x: Inputs, out, lse, dout) -> Grads:
             dout, q, k, v, out, lse.reshape(p.batch, p.heads_q, p.seqlen_q, 1).contiguous(), rng, rng, None,
             None, None, p.seqlen_q, p.seqlen_k, 0.0, causal, scale=p.scale)
     else:
+        dout, out = _kernel_ready(dout), _kernel_ready(out)  # dout of a .sum() is all stride 0
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse.contiguous(), None, None, p.seqlen_q, p.seqlen_k, 0.0, causal, rng, rng,
             scale=p.scale)
