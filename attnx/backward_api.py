@@ -25,7 +25,9 @@ _chosen: dict = {}  # (problem, allowed, registry generation) -> backend
 
 def lse_reasons(backend, p: Problem) -> list[str]:
     """Why `backend` cannot run `attention_backward` for `p` beyond its usual reasons (empty: it can)."""
-    if p.dtype in backend.backward_uses_given_lse:
+    # the declarations in force on p's device (`Backend.device_declarations` may change it there)
+    declared = backend.declarations(p.device_classes) if hasattr(backend, "declarations") else backend
+    if p.dtype in declared.backward_uses_given_lse:
         return []
     dtype = str(p.dtype).replace("torch.", "")
     return [f"its {dtype} backward recomputes the softmax normaliser over its own keys instead of using the "
