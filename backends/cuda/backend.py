@@ -38,12 +38,17 @@ class CudaBackend(Backend):
     deterministic = False             # dQ is accumulated with fp32 atomics
     supports_offset = True
     supports_sinks = True
-    # measured on the H200 (2026-12-01, bf16): the Hopper forward runs 0.77-1.01x cuDNN, above triton
-    # everywhere (1.1-10x), so forward-only problems come here before triton (90) but after the torch
-    # backend where it runs cuDNN (95: MHA, D 64/128); training keeps the Ampere backward, slower than
-    # triton's there
+    # measured on the H200 (2026-12-01, bf16, paper setting, benchmarks/results/h200-2026-12-01/
+    # paper-hopper-*): the Hopper forward beats triton everywhere (1.2-10x) and the torch backend's
+    # cuDNN (95) at d128-d256, so forward-only problems come here first on sm_90 -- except head dims
+    # up to 64 below 16k tokens, where cuDNN was faster (d64 S=4k: 442 vs 427 TFLOP/s). Training
+    # keeps 60: the backward on sm_90 is the Ampere kernel, slower than triton's (288 vs 368).
     priority = {"cuda:nvidia": 80, "cuda:sm_90": 60}
-    forward_priority = {"cuda:sm_90": 93}
+    forward_priority = {"cuda:sm_90": 96}
+    # (largest head dim, shortest sequence) below which a forward ranks `CUDNN_FIRST` instead
+    CUDNN_FASTER_BELOW = (64, 16384)
+    CUDNN_FIRST = 93
+
     required_modules = ("cupy",)
     install_hint = 'pip install "attnx[cuda13]"  (or [cuda12])'
 
@@ -79,10 +84,13 @@ class CudaBackend(Backend):
         return reasons
 
     def rank(self, p) -> int:
-        """`forward_priority` for problems without gradients, `priority` otherwise."""
+        """`forward_priority` for problems without gradients (the size rule above), `priority` otherwise."""
         if not p.needs_grad:
             for device_class in p.device_classes:
                 if device_class in self.forward_priority:
+                    head_dim, seqlen = self.CUDNN_FASTER_BELOW
+                    if max(p.head_dim, p.head_dim_v) <= head_dim and min(p.seqlen_q, p.seqlen_k) < seqlen:
+                        return self.CUDNN_FIRST
                     return self.forward_priority[device_class]
         return super().rank(p)
 
