@@ -502,3 +502,28 @@ def test_cache_plan_with_packed_queries_and_bshd(kind):
     step = a.plan(torch.randn(3, 1, 4, 16), layout="bshd", causal=True)
     q, k, v = torch.randn(3, 1, 4, 16), torch.randn(3, 1, 2, 16), torch.randn(3, 1, 2, 16)
     torch.testing.assert_close(step.run(q, k, v), b.attend(q, k, v, layout="bshd", causal=True), rtol=0, atol=0)
+
+
+def test_inference_mode_and_query_gradients():
+    """Appends work under torch.inference_mode; gradients reach q (the cache itself holds no graph), and an
+    append after the forward makes that backward fail loudly instead of using overwritten keys."""
+    torch.manual_seed(18)
+    cache = _make(16, batch=2)
+    with torch.inference_mode():
+        out = cache.attend(_randn(2, 4, 3, 16), _randn(2, 2, 3, 16), _randn(2, 2, 3, 16), causal=True)
+        assert torch.isfinite(out).all() and cache.seqlens == [3, 3]
+    k_new, v_new = _randn(2, 2, 2, 16), _randn(2, 2, 2, 16)
+    cache.append(k_new, v_new)
+    q = _randn(2, 4, 2, 16).requires_grad_()
+    out = cache.attend(q, causal=True)
+    out.backward(torch.ones_like(out))
+    keys = [cache.sequence(b) for b in range(2)]
+    q_ref = q.detach().clone().requires_grad_()
+    for b in range(2):
+        ref = attnx.attention(q_ref[b:b + 1], keys[b][0][None], keys[b][1][None], causal=True, backend="naive")
+        ref.backward(torch.ones_like(ref))
+    torch.testing.assert_close(q.grad, q_ref.grad, rtol=1e-9, atol=1e-9)
+    out = cache.attend(q, causal=True)
+    cache.append(_randn(2, 2, 1, 16), _randn(2, 2, 1, 16))
+    with pytest.raises(RuntimeError, match="inplace"):
+        out.sum().backward()
