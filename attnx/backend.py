@@ -208,7 +208,10 @@ class Declarations:
         self.__dict__.update(changes)
 
     def __getattr__(self, name):  # only for names not set above: the backend's own
-        return getattr(self.__dict__["backend"], name)
+        backend = self.__dict__.get("backend")
+        if backend is None:  # half-built (copy, pickle): no attributes yet
+            raise AttributeError(name)
+        return getattr(backend, name)
 
     def device_reasons(self, p: Problem) -> list[str]:
         return device_reasons(self, p)

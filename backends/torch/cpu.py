@@ -53,7 +53,9 @@ def _in_caller_layout(p: Problem, out: torch.Tensor) -> bool:
 
 
 def forward(p: Problem, x: Inputs):
-    q, k, v = _operands(x)
+    q, k, v = x.q, x.k, x.v
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:  # inline: this runs on every call
+        q, k, v = _operands(x)
     km = kernel_mask(p, x.mask, q)
     out_k, lse_k = _kernel_forward(p, q, k, v, km)
     if _in_caller_layout(p, out_k):
