@@ -185,3 +185,19 @@ def test_eight_threads_triton_interpreter():
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_only_interpreted_launches_take_the_lock():
+    """The lock serialises the CPU interpreter only: compiled (GPU) launches stay concurrent."""
+    pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from attnx.backends.triton import interpreter_fix
+
+    def launch():
+        return interpreter_fix._INTERPRETER_LOCK._is_owned()
+
+    assert interpreter_fix.serialised(object())(launch) is launch          # a compiled kernel: no wrapper
+    interpreted = InterpretedFunction.__new__(InterpretedFunction)
+    assert interpreter_fix.serialised(interpreted)(launch)() is True      # held while the launch runs
+    assert not interpreter_fix._INTERPRETER_LOCK._is_owned()
