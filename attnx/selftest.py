@@ -25,7 +25,7 @@ def run_selftest() -> dict:
     for name in available_backends():
         backend = get_backend(name)
         device = default_device(backend)
-        cases = _spread(select_cases(name, "quick", max_seqlen=SELFTEST_MAX_SEQLEN), SELFTEST_CASES)
+        cases = _spread(select_cases(name, "quick", max_seqlen=SELFTEST_MAX_SEQLEN, device=device), SELFTEST_CASES)
         start = time.perf_counter()
         outcome = run_cases(name, cases, device)
         failed = [r for r in outcome if r.status == "fail"]
