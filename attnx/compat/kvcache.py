@@ -37,6 +37,37 @@ def _slots(lengths: torch.Tensor, new: int, capacity: int) -> torch.Tensor:
     return slots
 
 
+def _check_inputs(q, k_cache, k, v, cache_batch_idx) -> None:
+    """`q`, new `k`/`v` and `cache_batch_idx` checked before anything reads or writes them."""
+    if not isinstance(q, torch.Tensor):
+        raise InvalidTypeError(f"flash_attn_with_kvcache: `q` must be a torch.Tensor, got {type(q).__name__}")
+    if q.dim() != 4:
+        raise InvalidArgumentError(f"flash_attn_with_kvcache: `q` must be (batch, seqlen_q, nheads, d), got "
+                                   f"shape {tuple(q.shape)}")
+    if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
+        return  # attention names `k` (the cache) with its own checks
+    for name, t in (("k", k), ("v", v)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise InvalidTypeError(f"flash_attn_with_kvcache: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4 or t.shape[0] != q.shape[0] or t.shape[2] != k_cache.shape[2] or t.shape[1] != k.shape[1]:
+            raise InvalidArgumentError(
+                f"flash_attn_with_kvcache: `{name}` must be (batch, seqlen_new, nheads_k, d) with q's batch "
+                f"{q.shape[0]} and the cache's {k_cache.shape[2]} heads, got {tuple(t.shape)}")
+    if cache_batch_idx is not None:
+        if not isinstance(cache_batch_idx, torch.Tensor) or cache_batch_idx.dtype not in (torch.int32, torch.int64):
+            raise InvalidTypeError("flash_attn_with_kvcache: `cache_batch_idx` must be an int32 tensor, got "
+                                   f"{getattr(cache_batch_idx, 'dtype', type(cache_batch_idx).__name__)}")
+        if tuple(cache_batch_idx.shape) != (q.shape[0],):
+            raise InvalidArgumentError(f"flash_attn_with_kvcache: `cache_batch_idx` must have shape ({q.shape[0]},), "
+                                       f"got {tuple(cache_batch_idx.shape)}")
+        rows = cache_batch_idx.tolist()  # one host read, as `cache_seqlens` already takes
+        if any(r < 0 or r >= k_cache.shape[0] for r in rows):
+            raise InvalidArgumentError(f"flash_attn_with_kvcache: `cache_batch_idx` must name cache rows in "
+                                       f"[0, {k_cache.shape[0]}), got {rows}")
+
+
 def _append(k_cache, v_cache, k, v, lengths, block_table, cache_batch_idx) -> None:
     """Write ``k``/``v`` ``(batch, new, Hkv, d)`` into the caches at ``lengths[b] + i``, in place."""
     batch, new = k.shape[:2]
@@ -98,6 +129,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     opts = options("flash_attn_with_kvcache", dropout_p=0.0, softmax_scale=softmax_scale, causal=causal,
                    window_size=window_size, softcap_value=softcap, alibi_slopes=alibi_slopes)
     opts["layout"] = "bshd"
+    _check_inputs(q, k_cache, k, v, cache_batch_idx)
     batch = q.shape[0]
     lengths = _cache_lengths(cache_seqlens, batch, q.device)
     if k is not None:
