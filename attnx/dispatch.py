@@ -61,6 +61,8 @@ def decide(p: Problem, forced: Optional[str] = None) -> Decision:
 
 def choose(p: Problem, forced: Optional[str] = None):
     """The backend object that runs `p`; raises NoBackendError listing every reason."""
+    if forced is not None and not isinstance(forced, str):
+        registry.get_backend(forced)  # the typed "must be a str" error, before the caches hash it
     allowed = (forced,) if forced is not None else allowed_backends()
     generation = registry.generation()
     # The same Problem object again (a repeated plain call: `make_call` hands back the one it

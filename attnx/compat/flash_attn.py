@@ -13,7 +13,7 @@ import contextlib
 import torch
 
 from ..api import attention
-from ..errors import InvalidTypeError
+from ..errors import InvalidArgumentError, InvalidTypeError
 from .common import deterministic_backends
 from .flash_attn_args import options
 from .kvcache import flash_attn_with_kvcache
@@ -76,13 +76,23 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                   deterministic, return_attn_probs)
 
 
+def _unpack(api: str, name: str, packed, dim: int, parts: int):
+    """The `parts` tensors packed along `dim` of `packed`, after checking it is a tensor with that many there."""
+    if not isinstance(packed, torch.Tensor):
+        raise InvalidTypeError(f"{api}: `{name}` must be a torch.Tensor, got {type(packed).__name__}")
+    if packed.dim() <= dim or packed.shape[dim] != parts:
+        raise InvalidArgumentError(f"{api}: `{name}` must have {parts} at dim {dim} "
+                                   f"({', '.join('qkv'[3 - parts:])}), got shape {tuple(packed.shape)}")
+    return packed.unbind(dim=dim)
+
+
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """``flash_attn.flash_attn_kvpacked_func``: kv ``(batch, seqlen_k, 2, nheads_k, d)``; else as `flash_attn_func`.
 
     Equivalent PyTorch: ``flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], ...)`` (gradients flow into ``kv``).
     """
-    k, v = kv.unbind(dim=2)
+    k, v = _unpack("flash_attn_kvpacked_func", "kv", kv, 2, 2)
     return _dense("flash_attn_kvpacked_func", q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                   alibi_slopes, deterministic, return_attn_probs)
 
@@ -93,7 +103,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
 
     Equivalent PyTorch: ``flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], ...)``.
     """
-    q, k, v = qkv.unbind(dim=2)
+    q, k, v = _unpack("flash_attn_qkvpacked_func", "qkv", qkv, 2, 3)
     return _dense("flash_attn_qkvpacked_func", q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                   alibi_slopes, deterministic, return_attn_probs)
 
@@ -125,7 +135,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 
     Equivalent PyTorch: ``flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], ...)``.
     """
-    k, v = kv.unbind(dim=1)
+    k, v = _unpack("flash_attn_varlen_kvpacked_func", "kv", kv, 1, 2)
     return _varlen("flash_attn_varlen_kvpacked_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                    return_attn_probs)
@@ -139,7 +149,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     Equivalent PyTorch: ``flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens,
     max_seqlen, max_seqlen, ...)``.
     """
-    q, k, v = qkv.unbind(dim=1)
+    q, k, v = _unpack("flash_attn_varlen_qkvpacked_func", "qkv", qkv, 1, 3)
     return _varlen("flash_attn_varlen_qkvpacked_func", q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                    return_attn_probs)

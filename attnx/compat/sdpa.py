@@ -85,6 +85,8 @@ def sdpa_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     check_no_dropout(dropout_p, "scaled_dot_product_attention")
     if not isinstance(is_causal, bool):
         raise InvalidTypeError(f"scaled_dot_product_attention: `is_causal` must be a bool, got {is_causal!r}")
+    if not isinstance(enable_gqa, bool):
+        raise InvalidTypeError(f"scaled_dot_product_attention: `enable_gqa` must be a bool, got {enable_gqa!r}")
     (bq, hq), (bk, hk), (bv, hv) = _split(query, "query"), _split(key, "key"), _split(value, "value")
     _check_mask(attn_mask, query)
     if is_causal and attn_mask is not None:
