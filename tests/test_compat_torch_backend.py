@@ -9,7 +9,7 @@ import torch
 
 import attnx
 from attnx.inputs import Inputs
-from attnx.problem import Problem
+from attnx.problem import Problem, make_call
 from attnx.reference import attention_reference
 
 from attnx.backends.torch import cuda as torch_cuda
@@ -140,3 +140,19 @@ def test_cuda_operands_are_copied_unless_the_kernels_can_read_them(make, kept):
     ready = torch_cuda._kernel_ready(t)
     assert (ready is t) == kept
     assert torch.equal(ready, t) and ready.stride(-1) == 1 and ready.data_ptr() % 16 == 0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads_kv", [4, 2])
+def test_cuda_path_marks_nan_rows_of_lse_as_the_formula_does(causal, heads_kv):
+    """The fused CUDA kernels leave lse finite in rows that see a NaN; the launcher marks exactly the formula's."""
+    from attnx.backends.torch.cuda import nan_rows_to_lse
+
+    q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, heads_kv, 16, 8), torch.randn(2, heads_kv, 16, 8)
+    k[1, 0, 5, 3] = float("nan")
+    q[0, 2, 7, 1] = float("nan")
+    p, _ = make_call(q, k, v, causal=causal)
+    _, want = attnx.attention(q.double(), k.double(), v.double(), causal=causal, backend="naive", return_lse=True)
+    got = nan_rows_to_lse(p, q, k, torch.randn(2, 4, 16))
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.isnan(got).any() and not torch.isnan(got).all()

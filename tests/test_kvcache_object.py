@@ -400,7 +400,19 @@ print("ok")
 """
 
 
+def _old_triton() -> bool:
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    return Version(version("triton")) < Version("3.7")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is not None and _old_triton(),
+                    reason="Triton 3.6's interpreter fails in the decode kernel (TypeError: only 0-dimensional "
+                           "arrays can be converted to Python scalars; seen on the H200 image, 2026-12-01); the "
+                           "compiled kernels are checked by this file's GPU tests")
 def test_cache_object_on_triton_kernels_through_the_interpreter():
     """The cache's views (bshd storage seen as bhsd, page pools) in triton's kernels (TRITON_INTERPRET=1)."""
     root = str(PAGE.parent.parent)

@@ -79,7 +79,26 @@ def forward(p: Problem, x: Inputs):
     out_k, lse_k = result[0], result[1]
     out = alloc_out(p, x.q)
     out.copy_(out_k)
-    return out, lse_k.reshape(p.batch, p.heads_q, p.seqlen_q).to(torch.float32)
+    lse = lse_k.reshape(p.batch, p.heads_q, p.seqlen_q).to(torch.float32)
+    return out, nan_rows_to_lse(p, q, k, lse)
+
+
+def nan_rows_to_lse(p: Problem, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """`lse` with NaN in every row that sees a NaN in its q row or in a visible key.
+
+    The fused kernels leave such rows' lse finite (H200, 2026-12-01, flash; their out is NaN, as
+    the contract says) where the contract's lse is NaN. The keys a row sees here are all of them,
+    or keys 0..i under causal with Sq == Sk (the only masks this path declares), so a running
+    "any" over the keys finds them; on the device, with no host synchronisation.
+    """
+    key_nan = torch.isnan(k).any(-1)                                         # (B, Hkv, Sk)
+    if p.group_size > 1:
+        key_nan = key_nan.repeat_interleave(p.group_size, dim=1)
+    if uses_is_causal(p):
+        seen = key_nan.to(torch.uint8).cummax(-1).values.bool()               # keys 0..i, Sq == Sk
+    else:
+        seen = key_nan.any(-1, keepdim=True)
+    return torch.where(torch.isnan(q).any(-1) | seen, torch.full_like(lse, float("nan")), lse)
 
 
 def backward(p: Problem, x: Inputs, out, lse, dout) -> Grads:
