@@ -13,7 +13,8 @@
 // with PINGPONG two named barriers make the consumers take turns issuing their GEMMs, so one's
 // softmax runs under the other's GEMMs.
 // Key blocks run from the last to the first, so the masked (diagonal, ragged-end) blocks come
-// first; a block wholly inside the band skips the mask. Sequence ends need no care: TMA fills
+// first; a block wholly inside the band (tested for the whole thread block, so the test is
+// uniform and ptxas keeps the wgmma pipeline) skips the mask. Sequence ends need no care: TMA fills
 // rows and columns outside the tensors with zeros and clips the output store.
 // The shared-memory tiles are TMA's 128-byte swizzle: panels of 64 columns x rows, 1024-byte atoms.
 //
@@ -246,7 +247,6 @@ DEVI void consume(const AttnParams& p, const Tile& t, const Visibility& vis, u32
   const int warp_in_group = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
   const int t4 = lane & 3;
   const int row0 = t.m0 + consumer * 64 + warp_in_group * 16 + (lane >> 2);  // and row0 + 8
-  const int group_m0 = t.m0 + consumer * 64;
   const u32 q_rows = base + L::Q + consumer * 64 * 128;
   const float unit = MOD ? 1.f : p.scale_log2;  // log2 units per score unit
   const ScoreMod mod = score_mod(p, t.b, t.h);
