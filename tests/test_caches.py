@@ -19,7 +19,9 @@ Who controls which cache:
   tested through the same `triton.compile` call the launcher makes (for sm_80, no GPU needed); rows
   tagged T1-T3 are Triton's defects that attnx inherits (docs/reliability.md).
 * CuPy (`cuda` backend): CuPy's cache in `CUPY_CACHE_DIR`; attnx's `compile.get_kernel` retries in
-  memory with a warning when it cannot be written (R5). Its end-to-end tests need a GPU and skip here.
+  memory with a warning when it cannot be written (R5), and imports CuPy on a private temporary
+  directory (then compiles in memory, with a warning) when CuPy cannot create it at import (R6).
+  Those two are checked here with stand-ins for CuPy; the end-to-end tests need a GPU and skip here.
 
 A row with a tag must behave exactly as recorded (it is reported as an expected failure): when a
 Triton upgrade fixes it, the test fails and asks for the docs to be updated.
@@ -34,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import types
 import warnings
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -276,23 +279,120 @@ class _FailingImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         raise PermissionError(13, "Permission denied", "/readonly/.cupy")
 
 
-@pytest.mark.xfail(strict=True, reason="R6: `import cupy` fails when CUPY_CACHE_DIR cannot be created, and "
-                                       "backends/cuda/compile.get_kernel lets the bare PermissionError escape; "
-                                       "it should retry in memory or raise an error naming CUPY_CACHE_DIR")
-def test_cupy_import_failing_on_its_cache_directory_is_explained(monkeypatch):
+class _CacheDirAtImport(_FailingImport):
+    """A `cupy` whose import creates CUPY_CACHE_DIR as CuPy 14 does, and records what its compiles saw.
+
+    ``fail_first``: the first import raises whatever the directory (a failure attnx cannot foresee)
+    and leaves a submodule behind, as a failed CuPy import does; a second import finding it fails.
+    """
+
+    def __init__(self, fail_first=False):
+        self.fail_first = fail_first
+        self.imports = []    # CUPY_CACHE_DIR at each import attempt
+        self.compiles = []   # CUPY_CACHE_IN_MEMORY at each compile
+
+    def exec_module(self, module):
+        cache_dir = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
+        self.imports.append(cache_dir)
+        if "cupy._left_behind" in sys.modules:
+            raise AttributeError("partially initialized module 'cupy' has no attribute '_util'")
+        if self.fail_first and len(self.imports) == 1:
+            sys.modules["cupy._left_behind"] = types.ModuleType("cupy._left_behind")
+            raise PermissionError(13, "Permission denied", cache_dir)
+        os.makedirs(cache_dir, exist_ok=True)  # raises for an uncreatable directory
+        compiles = self.compiles
+
+        class Device:
+            def __init__(self, index):
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+        class RawModule:
+            def __init__(self, code, options):
+                compiles.append(os.environ.get("CUPY_CACHE_IN_MEMORY"))
+
+            def get_function(self, name):
+                return types.SimpleNamespace(name=name, max_dynamic_shared_size_bytes=0)
+
+        module.cuda = types.SimpleNamespace(Device=Device)
+        module.RawModule = RawModule
+
+
+def _uncreatable_cache_dir(tmp_path) -> str:
+    """A CUPY_CACHE_DIR below a regular file: no process (root included) can create it."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    return str(blocker / "kernel_cache")
+
+
+@pytest.fixture
+def no_cupy(monkeypatch):
+    """`import cupy` goes to the finder given to the returned function; attnx's kernel cache starts empty."""
     from attnx.backends.cuda import compile as cuda_compile
+
+    def install(finder):
+        monkeypatch.delitem(sys.modules, "cupy", raising=False)
+        monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path])
+        monkeypatch.setattr(cuda_compile, "_modules", {})
+        monkeypatch.setattr(cuda_compile, "_times", {})
+        monkeypatch.setattr(cuda_compile, "_in_memory", False)
+        return cuda_compile
+    return install
+
+
+def _two_variants():
     from attnx.backends.cuda import families, variants
 
-    monkeypatch.delitem(sys.modules, "cupy", raising=False)
-    monkeypatch.setattr(sys, "meta_path", [_FailingImport(), *sys.meta_path])
-    monkeypatch.setattr(cuda_compile, "_modules", {})
-    variant = variants.all_variants(families.AMPERE)[0]
-    with warnings.catch_warnings(record=True):
-        warnings.simplefilter("always")
-        try:
-            cuda_compile.get_kernel(variant, "sm_80", 0)
-        except Exception as err:  # noqa: BLE001 - any error must say what to fix
-            assert "CUPY_CACHE_DIR" in str(err), f"{type(err).__name__} that does not say what to fix: {err}"
+    return variants.all_variants(families.AMPERE)[:2]
+
+
+def test_cupy_import_failing_on_its_cache_directory_is_explained(no_cupy, monkeypatch, tmp_path):
+    """R6 (fixed): an import that fails even on a fresh temporary cache directory raises a typed error
+    naming CUPY_CACHE_DIR (before any launch: get_kernel runs before the backend launches)."""
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cupy"))
+    cuda_compile = no_cupy(_FailingImport())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning that claims a recovery
+        with pytest.raises(cuda_compile.CupyCacheError, match="CUPY_CACHE_DIR") as caught:
+            cuda_compile.get_kernel(_two_variants()[0], "sm_80", 0)
+    assert isinstance(caught.value, RuntimeError)
+    assert "/readonly/.cupy" in str(caught.value), "the message must show the original error"
+
+
+@pytest.mark.parametrize("how", ["uncreatable", "import fails once"])
+def test_cupy_cache_directory_that_cannot_be_created_falls_back_to_memory(no_cupy, monkeypatch, tmp_path, how):
+    """R6 (fixed): CuPy creates CUPY_CACHE_DIR at import; where it cannot (seen before importing, or
+    only by the import), attnx imports CuPy on a private temporary directory, warns, restores the
+    caller's CUPY_CACHE_DIR and compiles its kernels in memory."""
+    if how == "uncreatable":
+        wanted, fake = _uncreatable_cache_dir(tmp_path), _CacheDirAtImport()
+    else:
+        wanted, fake = str(tmp_path / "cupy"), _CacheDirAtImport(fail_first=True)
+    monkeypatch.setenv("CUPY_CACHE_DIR", wanted)
+    monkeypatch.delenv("CUPY_CACHE_IN_MEMORY", raising=False)
+    cuda_compile = no_cupy(fake)
+    variant, other = _two_variants()
+    with pytest.warns(RuntimeWarning, match="CUPY_CACHE_DIR") as caught:
+        kernel = cuda_compile.get_kernel(variant, "sm_80", 0)
+    assert kernel.name == variant.function
+    assert wanted in str(caught[0].message)
+    private = Path(fake.imports[-1])
+    assert fake.imports == ([private.as_posix()] if how == "uncreatable" else [wanted, private.as_posix()])
+    assert private != Path(wanted) and private.is_dir() and (private.stat().st_mode & 0o077) == 0
+    assert os.environ["CUPY_CACHE_DIR"] == wanted, "the caller's CUPY_CACHE_DIR was not restored"
+    assert fake.compiles == ["1"], "the kernel was not compiled in memory"
+    assert "CUPY_CACHE_IN_MEMORY" not in os.environ
+    # the next specialisation compiles in memory too, with no second warning and no second import
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cuda_compile.get_kernel(other, "sm_80", 0)
+    assert fake.compiles == ["1", "1"] and fake.imports[-1] == private.as_posix()
+    assert not list(private.iterdir()), "something was written into the private directory"
 
 
 gpu_cuda = pytest.mark.skipif(
