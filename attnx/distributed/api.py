@@ -1,14 +1,17 @@
 """`ring_attention`: exact attention over a sequence sharded across the ranks of a process group."""
 from __future__ import annotations
 
+from ..errors import InvalidArgumentError
 from .allgather import AllGatherAttention
 from .ring import RingAttention
 from .validate import check_call, check_return_lse
+from .varlen_ring import VarlenAllGatherAttention, VarlenRingAttention
+from .varlen_validate import check_varlen_call
 
 
 def ring_attention(q, k, v, *, group=None, sharding="zigzag", causal=False, window=None, offset=None, scale=None,
                    softcap=None, alibi_slopes=None, sinks=None, layout="bhsd", backend=None, exchange="auto",
-                   return_lse=False):
+                   return_lse=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     """This rank's shard of exact attention over a sequence sharded across `group` (context parallelism).
 
     Every rank of `group` calls it at the same time with its shard of one sequence of
@@ -32,6 +35,14 @@ def ring_attention(q, k, v, *, group=None, sharding="zigzag", causal=False, wind
         exchange: ``"ring"`` (K/V travel around the ring), ``"allgather"`` (every rank gathers
             the whole K/V once) or ``"auto"``: `attnx.distributed.choose_exchange`.
         return_lse: also return ``lse``, float32 ``(B, Hq, S_local)`` (not differentiable).
+        cu_seqlens_q, cu_seqlens_k: packed (varlen) shards: q ``(T_rank, Hq, D)``, k and v
+            ``(T_rank, Hkv, D)`` hold this rank's piece(s) of every sequence of the batch, one
+            sequence after the other, and int32 ``(B + 1,)`` ``cu_seqlens`` (the same tensor
+            for q and k) say how many rows of each sequence (`attnx.distributed.shard_varlen`
+            cuts a packed batch so). Every sequence is aligned on its own global positions
+            (``offset`` applies to each); ``lse`` is ``(Hq, T_rank)``; ``layout`` is unused.
+            ``max_seqlen_q``/``max_seqlen_k`` are checked as in `attnx.attention` and
+            otherwise unused (the ring reads ``cu_seqlens`` on the host: one sync per call).
 
     Returns:
         ``out``, this rank's rows of the output, in q's dtype and layout; or ``(out, lse)``.
@@ -49,8 +60,27 @@ def ring_attention(q, k, v, *, group=None, sharding="zigzag", causal=False, wind
         out = attnx.attention(full(q), full(k), full(v), causal=causal, window=window,
                               offset=0 if offset is None else offset, ...)
         attnx.distributed.shard(out, rank, P, sharding=sharding)
+
+    and for packed shards (``full`` = `attnx.distributed.gather_varlen`, which also returns the
+    whole batch's ``cu``)::
+
+        (q_all, cu), (k_all, _), (v_all, _) = (full(t, cu_seqlens_q) for t in (q, k, v))
+        out = attnx.attention(q_all, k_all, v_all, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=causal, ...)
+        attnx.distributed.shard_varlen(out, cu, rank, P, sharding=sharding)[0]
     """
     check_return_lse(return_lse)
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        spec = check_varlen_call(q, k, v, group=group, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, sinks=sinks, sharding=sharding,
+                                 causal=causal, window=window, offset=offset, scale=scale, softcap=softcap,
+                                 alibi_slopes=alibi_slopes, backend=backend, exchange=exchange)
+        function = VarlenRingAttention if spec.ring.exchange == "ring" else VarlenAllGatherAttention
+        out, lse = function.apply(spec, q, k, v, sinks)
+        return (out, lse) if return_lse else out
+    for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if given is not None:
+            raise InvalidArgumentError(f"`{name}` describes packed shards (`cu_seqlens_q`/`cu_seqlens_k`); this call "
+                                       f"has none (got {name}={given!r})")
     spec = check_call(q, k, v, group=group, sinks=sinks, sharding=sharding, causal=causal, window=window,
                       offset=offset, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, layout=layout,
                       backend=backend, exchange=exchange)

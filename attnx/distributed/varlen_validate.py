@@ -1,0 +1,112 @@
+"""Checks of a packed (varlen) ring call, all before any K/V moves.
+
+As the dense ring (`validate.py`): the rank's own arguments first (the varlen contract of
+`attnx.attention` on the shard, whether a backend takes the calls), then one all-gather of a
+signature so every rank raises when one rank's arguments were rejected or the ranks disagree.
+Then a second small all-gather of each rank's share of every sequence (its ``cu_seqlens``):
+every rank learns the whole batch's cut (`VarlenLayout`) and checks it is the sharding's, so
+every rank raises the same error when it is not.
+"""
+from __future__ import annotations
+
+import operator
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from ..api import plan
+from ..errors import AttnxError, InvalidArgumentError
+from ..problem import make_problem
+from ..registry import get_backend
+from .group import resolve_group
+from .rule import EXCHANGES, choose_exchange
+from .sharding import check_sharding
+from .spec import RingSpec
+from .validate import _CODES, _DTYPES, _agree, _needs_grad, _signature_device
+from .varlen_calls import VarlenSpec
+from .varlen_sharding import _layout_from_shards, read_cu_seqlens
+
+_FIELDS = ("rejected", "batch", "heads_q", "heads_kv", "head_dim", "head_dim_v", "dtype", "sharding", "exchange",
+           "needs_grad", "sinks", "alibi_slopes", "options")
+
+
+def _local(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, sharding, causal, window, offset,
+           scale, softcap, alibi_slopes, sinks, backend, exchange):
+    """``(Problem, this rank's cu_seqlens values)``: typed errors for the rank's own arguments, no communication."""
+    p = make_problem(q, k, v, causal=causal, window=window, offset=offset, scale=scale, softcap=softcap,
+                     alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    cu = read_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+    if read_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0]) != cu:
+        raise InvalidArgumentError("`cu_seqlens_q` and `cu_seqlens_k` must be equal: across the ring, q, k and v "
+                                   "shards hold the same tokens (self-attention)")
+    check_sharding(sharding)
+    if exchange not in EXCHANGES:
+        raise InvalidArgumentError(f"`exchange` must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
+    if backend is not None:
+        get_backend(backend)  # unknown names raise
+    positional = p.window_left is not None or p.window_right is not None or alibi_slopes is not None
+    with torch.no_grad():  # the kinds of local call the blocks make: NoBackendError now, on this rank
+        kinds = [dict(window=None, offset=None, alibi_slopes=None)]
+        if positional:
+            band = None if p.window_left is None and p.window_right is None else (p.window_left, p.window_right)
+            kinds += [dict(window=band, offset=0, alibi_slopes=alibi_slopes),
+                      dict(window=band, offset=None, alibi_slopes=alibi_slopes)]
+        for kind in kinds:
+            plan(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, scale=p.scale, softcap=softcap,
+                 backend=backend, **kind)
+    return p, cu
+
+
+def _signature(p, q, k, v, sinks, alibi_slopes, sharding, exchange, offset) -> list[int]:
+    if p is None:
+        return [1] + [0] * (len(_FIELDS) - 1)
+    options = repr((p.window_left, p.window_right, offset, p.scale, p.softcap))
+    slopes = 0 if alibi_slopes is None else alibi_slopes.dim()
+    return [0, p.batch, q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], _DTYPES[q.dtype], _CODES[sharding],
+            EXCHANGES.index(exchange), int(_needs_grad(q, k, v, sinks)), int(sinks is not None), slopes,
+            zlib.crc32(options.encode())]
+
+
+def check_varlen_call(q, k, v, *, group, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, sharding,
+                      causal, window, offset, scale, softcap, alibi_slopes, backend, exchange) -> VarlenSpec:
+    """The call's `VarlenSpec`, the same on every rank of the group, or a typed error on every rank."""
+    group, rank, world_size = resolve_group(group)
+    p, cu, error = None, None, None
+    try:
+        p, cu = _local(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sharding=sharding,
+                       causal=causal, window=window, offset=offset, scale=scale, softcap=softcap,
+                       alibi_slopes=alibi_slopes, sinks=sinks, backend=backend, exchange=exchange)
+    except AttnxError as e:
+        error = e
+    device = _signature_device(group)
+    if world_size > 1:
+        rows = _agree(group, world_size, _signature(p, q, k, v, sinks, alibi_slopes, sharding, exchange, offset),
+                      device)
+    if error is not None:
+        raise error
+    if world_size > 1:
+        rejected = [r for r, row in enumerate(rows) if row[0]]
+        if rejected:
+            raise InvalidArgumentError(f"rank(s) {rejected} rejected their arguments (see the error raised there); "
+                                       "no K/V was exchanged")
+        differ = [name for i, name in enumerate(_FIELDS) if len({row[i] for row in rows}) > 1]
+        if differ:
+            raise InvalidArgumentError("the ranks of the group called ring attention with different "
+                                       + ", ".join(differ) + "; every rank must pass shards of one batch and the "
+                                       "same options (and all or none of them need gradients)")
+        cus = _agree(group, world_size, cu, device)
+    else:
+        cus = [cu]
+    layout = _layout_from_shards(cus, sharding, "cu_seqlens_q")
+    if exchange == "auto":
+        row_bytes = k.shape[1] * k.shape[2] * k.element_size() + v.shape[1] * v.shape[2] * v.element_size()
+        q_bytes = q.shape[1] * q.shape[2] * q.element_size() * layout.max_tokens()
+        exchange = choose_exchange(world_size, q_bytes, row_bytes * layout.max_tokens())
+    ring = RingSpec(group=group, rank=rank, world_size=world_size, sharding=sharding, layout="varlen",
+                    shard_len=layout.tokens(rank), scale=p.scale, softcap=p.softcap, window_left=p.window_left,
+                    window_right=p.window_right, offset=0 if offset is None else operator.index(offset),
+                    alibi_slopes=alibi_slopes, backend=backend, exchange=exchange)
+    return VarlenSpec(ring=ring, layout=layout,
+                      per_sequence_slopes=alibi_slopes is not None and alibi_slopes.dim() == 2)

@@ -1,0 +1,289 @@
+"""attnx.distributed with packed (varlen) batches: ring attention over gloo against single-process attnx.
+
+Each world size (2 and 4) is one spawn of processes running every case below. Every rank builds
+the same packed batch (sequences of unequal lengths, including 0 and fewer tokens than ranks)
+from one seed, computes `attnx.attention` on the whole batch, runs `ring_attention` on its
+`shard_varlen` shard and compares its rows of out, lse, dq, dk and dv (and dsinks summed over
+the ranks) within float32 tolerance.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+
+import attnx
+from attnx.distributed import (gather_varlen, ring_attention, shard_positions_varlen, shard_varlen,
+                               unshard_varlen)
+from attnx.distributed.varlen_calls import VarlenSpec, plan_block
+from attnx.distributed.varlen_sharding import VarlenLayout
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+SPAWN_TIMEOUT_S = 100
+# 0 tokens, fewer tokens than ranks (and than the 2P zigzag pieces), and longer ones
+LENGTHS = [5, 0, 1, 12, 3, 9, 7]
+
+CASES = {
+    "causal_zigzag": dict(causal=True),
+    "causal_contiguous_gqa": dict(causal=True, sharding="contiguous", heads_kv=2),
+    "window_softcap_alibi_sinks_zigzag_gqa": dict(window=(4, 2), softcap=3.0, alibi="batch", sinks=True, heads_kv=1),
+    "allgather_causal_zigzag_gqa": dict(causal=True, heads_kv=2, exchange="allgather"),
+    "allgather_offset_window_contiguous": dict(window=(3, 1), offset=2, sharding="contiguous", exchange="allgather",
+                                               alibi="heads"),
+    "naive_causal_contiguous_torch_rule": dict(causal=True, sharding="contiguous", backend="naive", heads_kv=2),
+    "forward_only_causal_zigzag": dict(causal=True, grad=False),
+}
+
+
+def _inputs(case: dict):
+    g = torch.Generator().manual_seed(4321)
+    heads_q, dim = 4, 8
+    heads_kv = case.get("heads_kv", heads_q)
+    cu = torch.tensor([0] + torch.tensor(LENGTHS).cumsum(0).tolist(), dtype=torch.int32)
+    total = int(cu[-1])
+    q, k, v, dout = (torch.randn(total, h, dim, generator=g) for h in (heads_q, heads_kv, heads_kv, heads_q))
+    options = dict(causal=case.get("causal", False), window=case.get("window"), softcap=case.get("softcap"),
+                   offset=case.get("offset"))
+    if case.get("alibi") == "heads":
+        options["alibi_slopes"] = torch.rand(heads_q, generator=g) * 0.5
+    elif case.get("alibi") == "batch":
+        options["alibi_slopes"] = torch.rand(len(LENGTHS), heads_q, generator=g) * 0.5
+    sinks = torch.randn(heads_q, generator=g) if case.get("sinks") else None
+    return q, k, v, dout, cu, sinks, options
+
+
+def _compare(case: dict, rank: int, world: int, dist) -> None:
+    from attnx.distributed import varlen_block
+
+    q, k, v, dout, cu, sinks, options = _inputs(case)
+    sharding, grad, backend = case.get("sharding", "zigzag"), case.get("grad", True), case.get("backend")
+    full = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+    ref_sinks = sinks.clone().requires_grad_(grad) if sinks is not None else None
+    with torch.set_grad_enabled(grad):
+        ref_out, ref_lse = attnx.attention(*full, cu_seqlens_q=cu, cu_seqlens_k=cu, sinks=ref_sinks,
+                                           return_lse=True, **options)
+        if grad:
+            ref_out.backward(dout)
+
+    mine = lambda t: shard_varlen(t, cu, rank, world, sharding=sharding)[0]  # noqa: E731
+    cu_mine = shard_varlen(q, cu, rank, world, sharding=sharding)[1]
+    part = [mine(t).clone().requires_grad_(grad) for t in (q, k, v)]
+    my_sinks = sinks.clone().requires_grad_(grad) if sinks is not None else None
+    ran = {"kernel": 0, "torch": 0}
+    original = varlen_block.BlockBackward.add
+
+    def counted(self, *args):
+        original(self, *args)
+        ran["kernel"], ran["torch"] = ran["kernel"] + self.kernel_calls, ran["torch"] + self.torch_pairs
+        self.kernel_calls = self.torch_pairs = 0
+
+    varlen_block.BlockBackward.add = counted
+    try:
+        with torch.set_grad_enabled(grad):
+            out, lse = ring_attention(*part, cu_seqlens_q=cu_mine, cu_seqlens_k=cu_mine, sharding=sharding,
+                                      sinks=my_sinks, backend=backend, exchange=case.get("exchange", "ring"),
+                                      return_lse=True, **options)
+            if grad:
+                out.backward(mine(dout))
+    finally:
+        varlen_block.BlockBackward.add = original
+
+    # every collective first, so a failed comparison on one rank leaves no other rank waiting
+    total_dsinks = None
+    if grad and sinks is not None:
+        total_dsinks = my_sinks.grad.clone()
+        dist.all_reduce(total_dsinks)
+    gathered_q, gathered_cu = gather_varlen(part[0].detach(), cu_mine, sharding=sharding)
+
+    assert lse.shape == (q.shape[1], part[0].shape[0]), f"varlen lse is (Hq, T_rank), got {tuple(lse.shape)}"
+    torch.testing.assert_close(out, mine(ref_out), **TOL, msg="out")
+    torch.testing.assert_close(lse, mine(ref_lse.t()).t(), **TOL, msg="lse")
+    if grad:
+        for name, a, b in zip("qkv", part, full):
+            torch.testing.assert_close(a.grad, mine(b.grad), **TOL, msg=f"d{name}")
+        if sinks is not None:
+            torch.testing.assert_close(total_dsinks, ref_sinks.grad, **TOL, msg="dsinks summed over ranks")
+        # the backends' own backward with the given lse; naive recomputes its normaliser: the torch-ops rule
+        expected = "torch" if backend == "naive" else "kernel"
+        assert ran[expected] > 0 and ran["kernel" if expected == "torch" else "torch"] == 0, f"ran {ran}"
+    torch.testing.assert_close(gathered_q, q, msg="gather_varlen(shard_varlen(q)) == q")
+    assert torch.equal(gathered_cu, cu)
+
+
+def _check_errors(rank: int, world: int) -> None:
+    """Bad packed shards raise typed errors on every rank, and the group stays usable."""
+    cu = torch.tensor([0, 6, 9], dtype=torch.int32)
+    q = torch.randn(9, 2, 4)
+    mine, cu_mine = shard_varlen(q, cu, rank, world)
+    # cut otherwise than shard_varlen: rank 0 holds one token more of sequence 0, the last rank one less
+    wrong = cu_mine.clone()
+    if rank == 0:
+        wrong[1:] += 1
+    elif rank == world - 1:
+        wrong[1:] -= 1
+    shard = torch.randn(int(wrong[-1]), 2, 4)
+    with pytest.raises(attnx.InvalidArgumentError, match="shard_varlen"):
+        ring_attention(shard, shard, shard, cu_seqlens_q=wrong, cu_seqlens_k=wrong, causal=True)
+    # q and k must hold the same tokens
+    other = cu_mine.clone()
+    other[1] = 0
+    with pytest.raises(attnx.InvalidArgumentError):
+        ring_attention(mine, mine, mine, cu_seqlens_q=cu_mine, cu_seqlens_k=other if rank == 0 else cu_mine)
+    # ranks with different numbers of sequences
+    one = torch.tensor([0, mine.shape[0]], dtype=torch.int32)
+    with pytest.raises(attnx.InvalidArgumentError, match="batch"):
+        ring_attention(mine, mine, mine, cu_seqlens_q=one if rank == 1 else cu_mine,
+                       cu_seqlens_k=one if rank == 1 else cu_mine)
+    out = ring_attention(mine, mine, mine, cu_seqlens_q=cu_mine, cu_seqlens_k=cu_mine, causal=True)  # still works
+    assert out.shape == mine.shape
+
+
+def _worker(rank: int, world: int, port: int, outdir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    found = {}
+    try:
+        for name in list(CASES) + ["errors"]:
+            start = time.perf_counter()
+            try:
+                if name == "errors":
+                    _check_errors(rank, world)
+                else:
+                    _compare(CASES[name], rank, world, dist)
+                found[name] = {"ok": True, "s": time.perf_counter() - start}
+            except Exception:  # noqa: BLE001 - reported to the test
+                found[name] = {"ok": False, "error": traceback.format_exc()}
+            dist.barrier()
+    finally:
+        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+            json.dump(found, f)
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_RESULTS: dict = {}
+
+
+def _results(world: int, tmp_path_factory) -> dict:
+    if world in _RESULTS and _RESULTS[world] is None:
+        pytest.fail(f"the varlen ring workers of world size {world} failed (see the first test of that size)")
+    if world not in _RESULTS:
+        import torch.multiprocessing as mp
+
+        outdir = str(tmp_path_factory.mktemp(f"ringv{world}"))
+        context = mp.start_processes(_worker, args=(world, _free_port(), outdir), nprocs=world, join=False,
+                                     start_method="spawn")
+        deadline = time.monotonic() + SPAWN_TIMEOUT_S
+        _RESULTS[world] = None
+        try:
+            while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"varlen ring workers (world size {world}) ran past {SPAWN_TIMEOUT_S} s")
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.terminate()
+        merged = {}
+        for rank in range(world):
+            with open(os.path.join(outdir, f"rank{rank}.json")) as f:
+                for name, result in json.load(f).items():
+                    merged.setdefault(name, {})[rank] = result
+        _RESULTS[world] = merged
+    return _RESULTS[world]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", list(CASES) + ["errors"])
+def test_varlen_ring_matches_single_process(world, case, tmp_path_factory):
+    per_rank = _results(world, tmp_path_factory)[case]
+    failures = {r: res["error"] for r, res in per_rank.items() if not res["ok"]}
+    assert not failures, "\n".join(f"rank {r}:\n{e}" for r, e in failures.items())
+
+
+# -- in one process: the helpers and the grouping of local calls -----------------------------------
+@pytest.mark.parametrize("sharding", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_shard_varlen_round_trip(sharding, world):
+    cu = torch.tensor([0] + torch.tensor(LENGTHS).cumsum(0).tolist(), dtype=torch.int32)
+    x = torch.randn(int(cu[-1]), 3, 2)
+    parts = [shard_varlen(x, cu, r, world, sharding=sharding) for r in range(world)]
+    assert sum(p[0].shape[0] for p in parts) == x.shape[0]
+    back, back_cu = unshard_varlen([p[0] for p in parts], [p[1] for p in parts], sharding=sharding)
+    assert torch.equal(back, x) and torch.equal(back_cu, cu)
+    within = torch.cat([torch.arange(n) for n in LENGTHS])
+    for r in range(world):
+        assert torch.equal(shard_positions_varlen(cu, r, world, sharding=sharding),
+                           shard_varlen(within, cu, r, world, sharding=sharding)[0])
+
+
+def test_shard_varlen_pieces():
+    cu = torch.tensor([0, 8, 8, 11], dtype=torch.int32)  # lengths 8, 0, 3; zigzag over 2 ranks: 4 pieces each
+    x = torch.arange(11)
+    assert shard_varlen(x, cu, 0, 2)[0].tolist() == [0, 1, 6, 7, 10]    # pieces 0 and 3 of each sequence
+    assert shard_varlen(x, cu, 1, 2)[0].tolist() == [2, 3, 4, 5, 8, 9]
+    assert shard_varlen(x, cu, 1, 2)[1].tolist() == [0, 4, 4, 6]
+    assert shard_varlen(x, cu, 1, 2, sharding="contiguous")[0].tolist() == [4, 5, 6, 7, 9, 10]
+
+
+def test_shard_varlen_errors():
+    x = torch.randn(5, 2)
+    with pytest.raises(attnx.InvalidArgumentError, match="cu_seqlens"):
+        shard_varlen(x, torch.tensor([0, 2, 4], dtype=torch.int32), 0, 2)
+    with pytest.raises(attnx.InvalidTypeError, match="cu_seqlens"):
+        shard_varlen(x, [0, 5], 0, 2)
+    with pytest.raises(attnx.InvalidArgumentError, match="rank"):
+        shard_varlen(x, torch.tensor([0, 5], dtype=torch.int32), 2, 2)
+    a, b = (shard_varlen(x, torch.tensor([0, 5], dtype=torch.int32), r, 2) for r in range(2))
+    with pytest.raises(attnx.InvalidArgumentError, match="shard_varlen"):  # shards swapped: not the zigzag cut
+        unshard_varlen([b[0], a[0]], [b[1], a[1]])
+
+
+def _spec(world, rank, sharding, lengths, window=(None, 0), offset=0):
+    from attnx.distributed.spec import RingSpec
+
+    ring = RingSpec(group=None, rank=rank, world_size=world, sharding=sharding, layout="varlen", shard_len=0,
+                    scale=1.0, softcap=None, window_left=window[0], window_right=window[1], offset=offset,
+                    alibi_slopes=None, backend=None, exchange="ring")
+    return VarlenSpec(ring=ring, layout=VarlenLayout(lengths, world, sharding), per_sequence_slopes=False)
+
+
+@pytest.mark.parametrize("sharding", ["zigzag", "contiguous"])
+def test_causal_blocks_need_no_explicit_offset(sharding):
+    """Causal self-attention: one call per (query slot, key slot), bottom-right or unmasked, never an offset."""
+    world = 4
+    for rank in range(world):
+        for src in range(world):
+            calls = plan_block(_spec(world, rank, sharding, LENGTHS), rank, src, "cpu")
+            assert len(calls) <= (4 if sharding == "zigzag" else 1)
+            assert all(c.offset is None for c in calls)
+            if sharding == "contiguous":  # a later rank's keys are hidden from an earlier rank's queries
+                assert bool(calls) == (src <= rank)
+
+
+def test_window_blocks_group_by_offset():
+    """A window cuts pieces at per-sequence offsets: the calls cover exactly the pairs in the band."""
+    from attnx.distributed.schedule import NONE, visibility
+
+    lengths, world = [10, 17, 4], 2
+    spec = _spec(world, 0, "contiguous", lengths, window=(3, 1))
+    calls = plan_block(spec, 0, 1, "cpu")
+    covered = sorted(qc.seq for c in calls for qc, _, _ in c.pairs)
+    q_slot, k_slot = spec.layout.slots(0)[0], spec.layout.slots(1)[0]
+    expected = [qc.seq for qc, kc in zip(q_slot, k_slot)
+                if visibility(qc.position, qc.length, kc.position, kc.length, 3, 1) != NONE]
+    assert covered == expected and len(expected) == 3
+    assert {c.offset for c in calls} == {-5, -8, -2}  # one per distinct offset: 0 - 5, 0 - 8, 0 - 2
