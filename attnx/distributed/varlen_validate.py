@@ -59,10 +59,10 @@ def _local(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, s
     return p, cu
 
 
-def _signature(p, q, k, v, sinks, alibi_slopes, sharding, exchange, offset) -> list[int]:
+def _signature(p, q, k, v, sinks, alibi_slopes, sharding, exchange, offset, backend) -> list[int]:
     if p is None:
         return [1] + [0] * (len(_FIELDS) - 1)
-    options = repr((p.window_left, p.window_right, offset, p.scale, p.softcap))
+    options = repr((p.window_left, p.window_right, offset, p.scale, p.softcap, backend))
     slopes = 0 if alibi_slopes is None else alibi_slopes.dim()
     return [0, p.batch, q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], _DTYPES[q.dtype], _CODES[sharding],
             EXCHANGES.index(exchange), int(_needs_grad(q, k, v, sinks)), int(sinks is not None), slopes,
@@ -82,7 +82,7 @@ def check_varlen_call(q, k, v, *, group, cu_seqlens_q, cu_seqlens_k, max_seqlen_
         error = e
     device = _signature_device(group)
     if world_size > 1:
-        rows = _agree(group, world_size, _signature(p, q, k, v, sinks, alibi_slopes, sharding, exchange, offset),
+        rows = _agree(group, world_size, _signature(p, q, k, v, sinks, alibi_slopes, sharding, exchange, offset, backend),
                       device)
     if error is not None:
         raise error
