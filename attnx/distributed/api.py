@@ -37,8 +37,8 @@ def ring_attention(q, k, v, *, group=None, sharding="zigzag", causal=False, wind
         return_lse: also return ``lse``, float32 ``(B, Hq, S_local)`` (not differentiable).
         cu_seqlens_q, cu_seqlens_k: packed (varlen) shards: q ``(T_rank, Hq, D)``, k and v
             ``(T_rank, Hkv, D)`` hold this rank's piece(s) of every sequence of the batch, one
-            sequence after the other, and int32 ``(B + 1,)`` ``cu_seqlens`` (the same tensor
-            for q and k) say how many rows of each sequence (`attnx.distributed.shard_varlen`
+            sequence after the other, and int32 ``(B + 1,)`` ``cu_seqlens`` (equal values for
+            q and k) say how many rows of each sequence (`attnx.distributed.shard_varlen`
             cuts a packed batch so). Every sequence is aligned on its own global positions
             (``offset`` applies to each); ``lse`` is ``(Hq, T_rank)``; ``layout`` is unused.
             ``max_seqlen_q``/``max_seqlen_k`` are checked as in `attnx.attention` and
@@ -71,16 +71,17 @@ def ring_attention(q, k, v, *, group=None, sharding="zigzag", causal=False, wind
     check_return_lse(return_lse)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         spec = check_varlen_call(q, k, v, group=group, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, sinks=sinks, sharding=sharding,
-                                 causal=causal, window=window, offset=offset, scale=scale, softcap=softcap,
-                                 alibi_slopes=alibi_slopes, backend=backend, exchange=exchange)
+                                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, sinks=sinks,
+                                 sharding=sharding, causal=causal, window=window, offset=offset, scale=scale,
+                                 softcap=softcap, alibi_slopes=alibi_slopes, layout=layout, backend=backend,
+                                 exchange=exchange)
         function = VarlenRingAttention if spec.ring.exchange == "ring" else VarlenAllGatherAttention
         out, lse = function.apply(spec, q, k, v, sinks)
         return (out, lse) if return_lse else out
     for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if given is not None:
-            raise InvalidArgumentError(f"`{name}` describes packed shards (`cu_seqlens_q`/`cu_seqlens_k`); this call "
-                                       f"has none (got {name}={given!r})")
+            raise InvalidArgumentError(f"`{name}` describes packed shards (`cu_seqlens_q`/`cu_seqlens_k`); "
+                                       f"this call has none (got {name}={given!r})")
     spec = check_call(q, k, v, group=group, sinks=sinks, sharding=sharding, causal=causal, window=window,
                       offset=offset, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, layout=layout,
                       backend=backend, exchange=exchange)

@@ -100,7 +100,7 @@ class BlockBackward:
                 self._pair(k, v, qc, kc, seen, dk, dv)
 
     def _pair(self, k, v, qc, kc, seen, dk, dv) -> None:
-        """One (query piece, key piece) pair by FlashAttention's rule in torch ops, as a dense ``(1, H, n, D)`` problem."""
+        """One (query piece, key piece) pair by FlashAttention's rule in torch ops, as a dense ``(1, H, n, D)``."""
         ring = self.spec.ring
         if self.spec.per_sequence_slopes:
             ring = dataclasses.replace(ring, alibi_slopes=ring.alibi_slopes[qc.seq:qc.seq + 1])

@@ -42,7 +42,7 @@ class VarlenSpec:
 
 @dataclass
 class SubCall:
-    """One varlen call: query rows ``[q_lo, q_lo + q_n)`` of the shard against key rows ``[k_lo, k_lo + k_n)`` of a block."""
+    """One varlen call: query rows ``[q_lo, q_lo + q_n)`` of the shard against key rows ``[k_lo, k_lo + k_n)``."""
 
     q_lo: int
     q_n: int

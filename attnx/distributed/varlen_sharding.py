@@ -158,7 +158,7 @@ def _layout_from_shards(cus: list[list[int]], sharding: str, what: str) -> Varle
 
 def unshard_varlen(shards: Sequence[torch.Tensor], cu_seqlens: Sequence[torch.Tensor], *,
                    sharding: str = "zigzag") -> tuple[torch.Tensor, torch.Tensor]:
-    """The packed batch ``(x, cu_seqlens)`` from every rank's ``shards[r]`` and ``cu_seqlens[r]`` (inverse of `shard_varlen`).
+    """The packed batch ``(x, cu_seqlens)`` from every rank's ``shards[r]``, ``cu_seqlens[r]`` (`shard_varlen`'s inverse).
 
     Equivalent PyTorch: for each sequence b, for each piece c = 0 .. n-1, the rows of piece c
     of sequence b from the rank that holds it (rank c, or 2P-1-c for the late zigzag pieces).
@@ -211,7 +211,7 @@ def shard_positions_varlen(cu_seqlens: torch.Tensor, rank: int, world_size: int,
 
 def gather_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, *, group=None,
                   sharding: str = "zigzag") -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole packed batch ``(x, cu_seqlens)`` on every rank from each rank's shard (a collective; not differentiable).
+    """The whole packed batch ``(x, cu_seqlens)`` on every rank from each rank's shard (a collective, not differentiable).
 
     Shards may differ in length by a few rows; they travel padded to the longest. Equivalent
     PyTorch: all-gather every rank's ``x`` and ``cu_seqlens``, then `unshard_varlen`.

@@ -32,11 +32,11 @@ _FIELDS = ("rejected", "batch", "heads_q", "heads_kv", "head_dim", "head_dim_v",
 
 
 def _local(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, sharding, causal, window, offset,
-           scale, softcap, alibi_slopes, sinks, backend, exchange):
+           scale, softcap, alibi_slopes, sinks, layout, backend, exchange):
     """``(Problem, this rank's cu_seqlens values)``: typed errors for the rank's own arguments, no communication."""
     p = make_problem(q, k, v, causal=causal, window=window, offset=offset, scale=scale, softcap=softcap,
                      alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, layout=layout)
     cu = read_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
     if read_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0]) != cu:
         raise InvalidArgumentError("`cu_seqlens_q` and `cu_seqlens_k` must be equal: across the ring, q, k and v "
@@ -70,20 +70,22 @@ def _signature(p, q, k, v, sinks, alibi_slopes, sharding, exchange, offset, back
 
 
 def check_varlen_call(q, k, v, *, group, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, sharding,
-                      causal, window, offset, scale, softcap, alibi_slopes, backend, exchange) -> VarlenSpec:
+                      causal, window, offset, scale, softcap, alibi_slopes, layout, backend,
+                      exchange) -> VarlenSpec:
     """The call's `VarlenSpec`, the same on every rank of the group, or a typed error on every rank."""
     group, rank, world_size = resolve_group(group)
     p, cu, error = None, None, None
     try:
         p, cu = _local(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sharding=sharding,
                        causal=causal, window=window, offset=offset, scale=scale, softcap=softcap,
-                       alibi_slopes=alibi_slopes, sinks=sinks, backend=backend, exchange=exchange)
+                       alibi_slopes=alibi_slopes, sinks=sinks, layout=layout, backend=backend,
+                       exchange=exchange)
     except AttnxError as e:
         error = e
     device = _signature_device(group)
     if world_size > 1:
-        rows = _agree(group, world_size, _signature(p, q, k, v, sinks, alibi_slopes, sharding, exchange, offset, backend),
-                      device)
+        mine = _signature(p, q, k, v, sinks, alibi_slopes, sharding, exchange, offset, backend)
+        rows = _agree(group, world_size, mine, device)
     if error is not None:
         raise error
     if world_size > 1:
