@@ -5,12 +5,17 @@ from typing import Optional
 
 import torch
 
+from . import call_memo
 from .autograd import run
 from .dispatch import Decision, choose, decide
 from .empty import empty_attention
 from .errors import InvalidArgumentError, InvalidTypeError
+from .inputs import Inputs
 from .problem import Problem, make_call
-from .registry import get_backend
+from .registry import generation, get_backend
+from .selection import allowed_backends
+
+_is_compiling = torch.compiler.is_compiling
 
 
 def _check_return_lse(return_lse) -> None:
@@ -18,12 +23,18 @@ def _check_return_lse(return_lse) -> None:
         raise InvalidTypeError(f"`return_lse` must be a bool, got {return_lse!r}")
 
 
-def _execute(p: Problem, x, backend: Optional[str]):
+def _execute(p: Problem, x, backend: Optional[str], memo_key: Optional[tuple] = None):
+    """Run `p`; a plain call's `memo_key` remembers which backend ran it (see `call_memo.Run`)."""
     if p.is_empty:
         if backend is not None:
             get_backend(backend)  # an unknown name is still an error
         return empty_attention(p, x)
-    return run(p, choose(p, backend), x)
+    allowed, stamp = allowed_backends(), generation()  # read before choosing: a later change misses
+    chosen = choose(p, backend)
+    if memo_key is not None:
+        direct = p.layout == "bhsd" and not p.needs_grad
+        call_memo.remember_run(memo_key, call_memo.Run(p, backend, allowed, stamp, chosen, direct))
+    return run(p, chosen, x)
 
 
 def attention(q, k, v, *, causal=False, window=None, offset=None, mask=None, scale=None, softcap=None,
@@ -76,7 +87,24 @@ def attention(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
             s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
         out = torch.softmax(s, dim=-1) @ v
     """
-    _check_return_lse(return_lse)
+    if return_lse is not False and return_lse is not True:
+        _check_return_lse(return_lse)
+    memo_key = None
+    # A plain call (q, k, v and at most layout, causal, a float scale and a backend name) seen
+    # before runs the backend that ran it, if the dispatch state is unchanged (call_memo.py).
+    if (window is None and offset is None and mask is None and softcap is None and alibi_slopes is None
+            and sinks is None and cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None
+            and max_seqlen_k is None and seqlens_k is None and page_table is None
+            and (backend is None or type(backend) is str) and not _is_compiling()):
+        memo_key = call_memo.plain_key(q, k, v, layout, causal, scale)
+        if memo_key is not None:
+            known = call_memo.recall_run(memo_key)
+            if (known is not None and known.forced == backend and known.generation == generation()
+                    and known.allowed == allowed_backends()):
+                x = Inputs(q, k, v)
+                out, lse = known.backend.forward(known.problem, x) if known.direct else \
+                    run(known.problem, known.backend, x)
+                return (out, lse) if return_lse else out
     options = dict(causal=causal, window=window, offset=offset, mask=mask, scale=scale, softcap=softcap,
                    alibi_slopes=alibi_slopes, sinks=sinks, layout=layout, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -87,7 +115,7 @@ def attention(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
         out, lse = traced_attention(q, k, v, options, backend)
     else:
         p, x = make_call(q, k, v, **options)
-        out, lse = _execute(p, x, backend)
+        out, lse = _execute(p, x, backend, memo_key)
     return (out, lse) if return_lse else out
 
 

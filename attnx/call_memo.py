@@ -8,22 +8,40 @@ below (shapes, dtypes, devices, the three options, and the gradient state autogr
 without validating again. Only calls that passed validation are remembered: a bad call never
 matches one (its key differs in the shape, dtype, device or option that makes it bad).
 
+`attnx.attention` also remembers, per key, the backend that ran the call (`Run`) and the
+dispatch state it was chosen under (the `use_backend`/ATTNX_BACKEND restriction and the
+registry's generation): a repeated plain call whose state is unchanged runs that backend
+without building the call's `Inputs` twice, asking `make_call` or hashing the `Problem`.
+
 Why: a small CPU call (B=1, H=8, S=128, D=64) spends about 300 µs in the kernel, which leaves
 the caches cold for the Python that follows; full validation then costs 25-35 µs, the lookup
-below a few (benchmarks/results/cpu-2026-12-01-overhead2).
+below a few (benchmarks/results/cpu-2026-12-01-overhead2 and -overhead3).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 _LIMIT = 1024
 _memo: dict = {}
+_runs: dict = {}
 _Tensor = torch.Tensor
+_grad_enabled = torch.is_grad_enabled  # (module-level names: one lookup each on the hot path)
 
 
-def plain_key(q, k, v, layout, causal, scale, rest: tuple) -> Optional[tuple]:
+class Run(NamedTuple):
+    """What ran a remembered plain call, and the dispatch state that decision holds for."""
+
+    problem: object          # the call's `Problem` (never empty: empty calls need no backend)
+    forced: Optional[str]    # the call's `backend` argument
+    allowed: Optional[tuple]  # `selection.allowed_backends()` when it was chosen
+    generation: int          # `registry.generation()` when it was chosen
+    backend: object          # the backend object `dispatch.choose` returned
+    direct: bool             # `backend.forward(problem, Inputs(q, k, v))` is the whole call (bhsd, no grads)
+
+
+def plain_key(q, k, v, layout, causal, scale, rest: tuple = ()) -> Optional[tuple]:
     """The memo key of a plain call, or None when the call is not plain (`rest`: every other argument)."""
     if type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor:
         return None  # subclasses (Parameters, fake or wrapper tensors) take the full path
@@ -37,7 +55,7 @@ def plain_key(q, k, v, layout, causal, scale, rest: tuple) -> Optional[tuple]:
         if arg is not None:
             return None
     grads = None
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         grads = (q.requires_grad, k.requires_grad, v.requires_grad, torch.are_deterministic_algorithms_enabled())
     return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, layout, causal,
             scale, grads)
@@ -54,5 +72,17 @@ def remember(key: tuple, problem) -> None:
     _memo[key] = problem
 
 
+def recall_run(key: tuple) -> Optional[Run]:
+    """The `Run` remembered for this key, or None (the caller checks its dispatch state)."""
+    return _runs.get(key)
+
+
+def remember_run(key: tuple, run: Run) -> None:
+    if len(_runs) >= _LIMIT:
+        _runs.clear()
+    _runs[key] = run
+
+
 def clear() -> None:
     _memo.clear()
+    _runs.clear()

@@ -96,3 +96,69 @@ def test_the_last_decision_follows_restrictions_and_registrations(make_spy):
         attnx.attention(q, k, v)
         assert "forward" in spy.calls
     assert attnx.dispatch.choose(make_call(q, k, v)[0]).name == first
+
+
+# -- the remembered run (`call_memo.Run`): `attention` skips make_call and dispatch, never a change --
+def test_a_remembered_run_follows_every_dispatch_change(ran, make_spy, monkeypatch):
+    q, k, v = _qkv()
+    first = attnx.explain(q, k, v).chosen
+    for _ in range(2):
+        attnx.attention(q, k, v)
+    assert ran == [(first, "forward")] * 2 and len(call_memo._runs) == 1
+    ran.clear()
+    attnx.attention(q, k, v, backend="naive")           # a forced backend: another run
+    with attnx.use_backend("naive"):                    # a restriction
+        attnx.attention(q, k, v)
+    monkeypatch.setenv("ATTNX_BACKEND", "naive")        # the environment, read on every call
+    attnx.attention(q, k, v)
+    monkeypatch.delenv("ATTNX_BACKEND")
+    attnx.attention(q, k, v)
+    assert ran == [("naive", "forward")] * 3 + [(first, "forward")]
+    ran.clear()
+    spy = make_spy(priority={"*": 10_000})
+    with attnx.registered(spy):                         # a registration
+        attnx.attention(q, k, v)
+        assert "forward" in spy.calls and not ran
+    attnx.attention(q, k, v)
+    assert ran == [(first, "forward")]
+
+
+def test_a_remembered_run_gives_what_the_full_path_gives():
+    q, k, v = _qkv()
+    qg = q.clone().requires_grad_()
+    cases = [dict(), dict(causal=True), dict(scale=0.3), dict(layout="bshd"), dict(return_lse=True),
+             dict(backend="naive", return_lse=True)]
+    for options in cases:
+        call_memo.clear()
+        full = attnx.attention(q, k, v, **options)
+        again = attnx.attention(q, k, v, **options)
+        assert len(call_memo._runs) == 1, options
+        for a, b in zip(*(r if isinstance(r, tuple) else (r,) for r in (full, again))):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    out = attnx.attention(qg, k, v)                     # needs gradients: another key, through autograd
+    assert out.grad_fn is not None
+    out.sum().backward()
+    ref_q = q.clone().requires_grad_()
+    attnx.attention(ref_q, k, v, backend="naive").sum().backward()
+    torch.testing.assert_close(qg.grad, ref_q.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad, error", [
+    (dict(backend=3), InvalidTypeError),
+    (dict(backend="no-such-backend"), InvalidArgumentError),
+    (dict(return_lse="yes"), InvalidTypeError),
+    (dict(return_lse=1), InvalidTypeError),
+])
+def test_a_remembered_run_still_checks_backend_and_return_lse(bad, error):
+    q, k, v = _qkv()
+    attnx.attention(q, k, v)
+    attnx.attention(q, k, v)
+    with pytest.raises(error):
+        attnx.attention(q, k, v, **bad)
+
+
+def test_empty_calls_are_not_remembered_as_runs():
+    q, k, v = (torch.randn(2, 4, 0, 8) for _ in range(3))
+    for _ in range(2):
+        assert attnx.attention(q, k, v).shape == (2, 4, 0, 8)
+    assert not call_memo._runs
