@@ -156,7 +156,7 @@ class Plan:
         if unknown:
             raise InvalidArgumentError(f"Plan.run takes tensors only; fixed at plan time: {', '.join(sorted(unknown))}")
         p, x = make_call(q, k, v, **self._options, **tensors)
-        if p != self.problem:
+        if p is not self.problem and p != self.problem:  # (a remembered plain call: the same object)
             changed = [f"{name} {getattr(self.problem, name)!r} -> {getattr(p, name)!r}"
                        for name in Problem._fields if getattr(p, name) != getattr(self.problem, name)]
             raise InvalidArgumentError("these tensors do not have the planned signature: " + "; ".join(changed))
