@@ -114,7 +114,7 @@ def attention(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
 
         out, lse = traced_attention(q, k, v, options, backend)
     else:
-        p, x = make_call(q, k, v, **options)
+        p, x = make_call(q, k, v, **options, memo_key=memo_key)  # (None: not plain, or not computed)
         out, lse = _execute(p, x, backend, memo_key)
     return (out, lse) if return_lse else out
 

@@ -430,18 +430,23 @@ def grad_names(x: Inputs) -> frozenset:
     return frozenset(names) if names else _NO_GRADS
 
 
+_COMPUTE = object()  # make_call's default: compute the memo key here
+
+
 def make_call(q, k, v, *, causal=False, window=None, offset=None, mask=None, scale=None, softcap=None,
               alibi_slopes=None, sinks=None, layout="bhsd", cu_seqlens_q=None, cu_seqlens_k=None,
               max_seqlen_q=None, max_seqlen_k=None, seqlens_k=None, page_table=None,
-              grad_inputs=None) -> tuple[Problem, Inputs]:
+              grad_inputs=None, memo_key=_COMPUTE) -> tuple[Problem, Inputs]:
     """Validate the arguments of `attnx.attention`; return its `Problem` and `Inputs`.
 
     ``grad_inputs`` names the inputs that need gradients (default: `grad_names`; the
-    torch.compile ops pass what they recorded while tracing).
+    torch.compile ops pass what they recorded while tracing). ``memo_key``: the call's
+    `call_memo.plain_key` when the caller has computed it already (None: not a plain call).
     """
-    memo_key = call_memo.plain_key(q, k, v, layout, causal, scale, (
-        mask, window, offset, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        seqlens_k, page_table, grad_inputs))
+    if memo_key is _COMPUTE:
+        memo_key = call_memo.plain_key(q, k, v, layout, causal, scale, (
+            mask, window, offset, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            max_seqlen_k, seqlens_k, page_table, grad_inputs))
     if memo_key is not None:  # a plain call validated before (see call_memo.py)
         known = call_memo.recall(memo_key)
         if known is not None:
