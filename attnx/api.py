@@ -114,8 +114,10 @@ def attention(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
 
         out, lse = traced_attention(q, k, v, options, backend)
     else:
+        # a Run is remembered from a plain call's second time on: a decode loop whose Sk grows never repeats one
+        repeated = memo_key is not None and call_memo.recall(memo_key) is not None
         p, x = make_call(q, k, v, **options, memo_key=memo_key)  # (None: not plain, or not computed)
-        out, lse = _execute(p, x, backend, memo_key)
+        out, lse = _execute(p, x, backend, memo_key if repeated else None)
     return (out, lse) if return_lse else out
 
 

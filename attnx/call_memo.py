@@ -10,8 +10,9 @@ matches one (its key differs in the shape, dtype, device or option that makes it
 
 `attnx.attention` also remembers, per key, the backend that ran the call (`Run`) and the
 dispatch state it was chosen under (the `use_backend`/ATTNX_BACKEND restriction and the
-registry's generation): a repeated plain call whose state is unchanged runs that backend
-without building the call's `Inputs` twice, asking `make_call` or hashing the `Problem`.
+registry's generation), from the second call with that key on (a decode loop whose Sk grows
+never repeats a key and pays for no `Run`): a later call whose dispatch state is unchanged
+runs that backend without the options dict, `make_call` or the dispatcher.
 
 Why: a small CPU call (B=1, H=8, S=128, D=64) spends about 300 µs in the kernel, which leaves
 the caches cold for the Python that follows; full validation then costs 25-35 µs, the lookup

@@ -131,8 +131,9 @@ def test_a_remembered_run_gives_what_the_full_path_gives():
     for options in cases:
         call_memo.clear()
         full = attnx.attention(q, k, v, **options)
-        again = attnx.attention(q, k, v, **options)
+        attnx.attention(q, k, v, **options)             # the second time remembers the run
         assert len(call_memo._runs) == 1, options
+        again = attnx.attention(q, k, v, **options)     # and the third uses it
         for a, b in zip(*(r if isinstance(r, tuple) else (r,) for r in (full, again))):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     out = attnx.attention(qg, k, v)                     # needs gradients: another key, through autograd
@@ -157,8 +158,19 @@ def test_a_remembered_run_still_checks_backend_and_return_lse(bad, error):
         attnx.attention(q, k, v, **bad)
 
 
+def test_a_run_is_remembered_from_the_second_call_on():
+    """A decode loop whose Sk grows never repeats a signature: it pays for no Run."""
+    q = torch.randn(1, 2, 1, 8)
+    cache = torch.randn(1, 2, 40, 8)
+    for sk in range(20, 40):
+        attnx.attention(q, cache[:, :, :sk], cache[:, :, :sk])
+    assert not call_memo._runs and len(call_memo._memo) == 20
+    attnx.attention(q, cache[:, :, :20], cache[:, :, :20])
+    assert len(call_memo._runs) == 1
+
+
 def test_empty_calls_are_not_remembered_as_runs():
     q, k, v = (torch.randn(2, 4, 0, 8) for _ in range(3))
-    for _ in range(2):
+    for _ in range(3):
         assert attnx.attention(q, k, v).shape == (2, 4, 0, 8)
     assert not call_memo._runs
