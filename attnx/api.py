@@ -16,6 +16,7 @@ from .registry import generation, get_backend
 from .selection import allowed_backends
 
 _is_compiling = torch.compiler.is_compiling
+_Run = call_memo.Run
 
 
 def _check_return_lse(return_lse) -> None:
@@ -33,7 +34,7 @@ def _execute(p: Problem, x, backend: Optional[str], memo_key: Optional[tuple] = 
     chosen = choose(p, backend)
     if memo_key is not None:
         direct = p.layout == "bhsd" and not p.needs_grad
-        call_memo.remember_run(memo_key, call_memo.Run(p, backend, allowed, stamp, chosen, direct))
+        call_memo.remember(memo_key, call_memo.Run(p, backend, allowed, stamp, chosen, direct))
     return run(p, chosen, x)
 
 
@@ -89,7 +90,7 @@ def attention(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
     """
     if return_lse is not False and return_lse is not True:
         _check_return_lse(return_lse)
-    memo_key = None
+    memo_key = known = None
     # A plain call (q, k, v and at most layout, causal, a float scale and a backend name) seen
     # before runs the backend that ran it, if the dispatch state is unchanged (call_memo.py).
     if (window is None and offset is None and mask is None and softcap is None and alibi_slopes is None
@@ -98,13 +99,17 @@ def attention(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
             and (backend is None or type(backend) is str) and not _is_compiling()):
         memo_key = call_memo.plain_key(q, k, v, layout, causal, scale)
         if memo_key is not None:
-            known = call_memo.recall_run(memo_key)
-            if (known is not None and known.forced == backend and known.generation == generation()
+            known = call_memo.recall_entry(memo_key)
+            if (type(known) is _Run and known.forced == backend and known.generation == generation()
                     and known.allowed == allowed_backends()):
                 x = Inputs(q, k, v)
                 out, lse = known.backend.forward(known.problem, x) if known.direct else \
                     run(known.problem, known.backend, x)
                 return (out, lse) if return_lse else out
+    if known is not None:  # validated before: choose, run, and remember the Run from now on
+        p = known.problem if type(known) is _Run else known
+        out, lse = _execute(p, Inputs(q, k, v), backend, memo_key)
+        return (out, lse) if return_lse else out
     options = dict(causal=causal, window=window, offset=offset, mask=mask, scale=scale, softcap=softcap,
                    alibi_slopes=alibi_slopes, sinks=sinks, layout=layout, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -114,10 +119,9 @@ def attention(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
 
         out, lse = traced_attention(q, k, v, options, backend)
     else:
-        # a Run is remembered from a plain call's second time on: a decode loop whose Sk grows never repeats one
-        repeated = memo_key is not None and call_memo.recall(memo_key) is not None
-        p, x = make_call(q, k, v, **options, memo_key=memo_key)  # (None: not plain, or not computed)
-        out, lse = _execute(p, x, backend, memo_key if repeated else None)
+        # first time (or not plain): validate; the Problem is remembered under a plain call's key
+        p, x = make_call(q, k, v, **options, memo_key=memo_key)
+        out, lse = _execute(p, x, backend)
     return (out, lse) if return_lse else out
 
 

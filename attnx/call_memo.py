@@ -8,11 +8,11 @@ below (shapes, dtypes, devices, the three options, and the gradient state autogr
 without validating again. Only calls that passed validation are remembered: a bad call never
 matches one (its key differs in the shape, dtype, device or option that makes it bad).
 
-`attnx.attention` also remembers, per key, the backend that ran the call (`Run`) and the
-dispatch state it was chosen under (the `use_backend`/ATTNX_BACKEND restriction and the
-registry's generation), from the second call with that key on (a decode loop whose Sk grows
-never repeats a key and pays for no `Run`): a later call whose dispatch state is unchanged
-runs that backend without the options dict, `make_call` or the dispatcher.
+From a key's second call on, `attnx.attention` replaces its `Problem` by a `Run`: the Problem,
+the backend that ran it and the dispatch state it was chosen under (the `use_backend` /
+ATTNX_BACKEND restriction and the registry's generation). A later call whose dispatch state is
+unchanged runs that backend without the options dict, `make_call` or the dispatcher; one dict
+lookup serves every path (a decode loop whose Sk grows never repeats a key and pays for no Run).
 
 Why: a small CPU call (B=1, H=8, S=128, D=64) spends about 300 µs in the kernel, which leaves
 the caches cold for the Python that follows; full validation then costs 25-35 µs, the lookup
@@ -25,8 +25,7 @@ from typing import NamedTuple, Optional
 import torch
 
 _LIMIT = 1024
-_memo: dict = {}
-_runs: dict = {}
+_memo: dict = {}  # key -> its Problem (validated) or, from its second call on, a Run (holding the Problem)
 _Tensor = torch.Tensor
 _grad_enabled = torch.is_grad_enabled  # (module-level names: one lookup each on the hot path)
 
@@ -64,26 +63,26 @@ def plain_key(q, k, v, layout, causal, scale, rest: tuple = ()) -> Optional[tupl
 
 def recall(key: tuple):
     """The `Problem` validated for this key before, or None."""
+    entry = _memo.get(key)
+    return entry.problem if type(entry) is Run else entry
+
+
+def recall_entry(key: tuple):
+    """What is remembered for this key: its `Problem`, a `Run` (checked by the caller) or None."""
     return _memo.get(key)
 
 
-def remember(key: tuple, problem) -> None:
+def remember(key: tuple, entry) -> None:
+    """Remember a key's `Problem`, or the `Run` that ran it (which replaces the Problem)."""
     if len(_memo) >= _LIMIT:
         _memo.clear()
-    _memo[key] = problem
+    _memo[key] = entry
 
 
-def recall_run(key: tuple) -> Optional[Run]:
-    """The `Run` remembered for this key, or None (the caller checks its dispatch state)."""
-    return _runs.get(key)
-
-
-def remember_run(key: tuple, run: Run) -> None:
-    if len(_runs) >= _LIMIT:
-        _runs.clear()
-    _runs[key] = run
+def runs() -> list:
+    """The remembered `Run`s (for tests and benchmarks)."""
+    return [entry for entry in list(_memo.values()) if type(entry) is Run]
 
 
 def clear() -> None:
     _memo.clear()
-    _runs.clear()

@@ -441,16 +441,17 @@ def make_call(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
 
     ``grad_inputs`` names the inputs that need gradients (default: `grad_names`; the
     torch.compile ops pass what they recorded while tracing). ``memo_key``: the call's
-    `call_memo.plain_key` when the caller has computed it already (None: not a plain call).
+    `call_memo.plain_key`, when the caller has looked it up already and found nothing (None: not
+    a plain call); the validated `Problem` is remembered under it.
     """
     if memo_key is _COMPUTE:
         memo_key = call_memo.plain_key(q, k, v, layout, causal, scale, (
             mask, window, offset, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k, seqlens_k, page_table, grad_inputs))
-    if memo_key is not None:  # a plain call validated before (see call_memo.py)
-        known = call_memo.recall(memo_key)
-        if known is not None:
-            return known, Inputs(q, k, v)
+        if memo_key is not None:  # a plain call validated before (see call_memo.py)
+            known = call_memo.recall(memo_key)
+            if known is not None:
+                return known, Inputs(q, k, v)
     if layout not in LAYOUTS:
         raise InvalidArgumentError(f"`layout` must be 'bhsd' or 'bshd', got {layout!r}")
     x = Inputs(q, k, v, mask, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqlens_k, page_table)

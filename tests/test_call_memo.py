@@ -104,7 +104,7 @@ def test_a_remembered_run_follows_every_dispatch_change(ran, make_spy, monkeypat
     first = attnx.explain(q, k, v).chosen
     for _ in range(2):
         attnx.attention(q, k, v)
-    assert ran == [(first, "forward")] * 2 and len(call_memo._runs) == 1
+    assert ran == [(first, "forward")] * 2 and len(call_memo.runs()) == 1
     ran.clear()
     attnx.attention(q, k, v, backend="naive")           # a forced backend: another run
     with attnx.use_backend("naive"):                    # a restriction
@@ -132,7 +132,7 @@ def test_a_remembered_run_gives_what_the_full_path_gives():
         call_memo.clear()
         full = attnx.attention(q, k, v, **options)
         attnx.attention(q, k, v, **options)             # the second time remembers the run
-        assert len(call_memo._runs) == 1, options
+        assert len(call_memo.runs()) == 1, options
         again = attnx.attention(q, k, v, **options)     # and the third uses it
         for a, b in zip(*(r if isinstance(r, tuple) else (r,) for r in (full, again))):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -164,13 +164,13 @@ def test_a_run_is_remembered_from_the_second_call_on():
     cache = torch.randn(1, 2, 40, 8)
     for sk in range(20, 40):
         attnx.attention(q, cache[:, :, :sk], cache[:, :, :sk])
-    assert not call_memo._runs and len(call_memo._memo) == 20
+    assert not call_memo.runs() and len(call_memo._memo) == 20
     attnx.attention(q, cache[:, :, :20], cache[:, :, :20])
-    assert len(call_memo._runs) == 1
+    assert len(call_memo.runs()) == 1
 
 
 def test_empty_calls_are_not_remembered_as_runs():
     q, k, v = (torch.randn(2, 4, 0, 8) for _ in range(3))
     for _ in range(3):
         assert attnx.attention(q, k, v).shape == (2, 4, 0, 8)
-    assert not call_memo._runs
+    assert not call_memo.runs()
