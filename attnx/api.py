@@ -97,15 +97,13 @@ def attention(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
             and sinks is None and cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None
             and max_seqlen_k is None and seqlens_k is None and page_table is None
             and (backend is None or type(backend) is str) and not _is_compiling()):
-        memo_key = call_memo.plain_key(q, k, v, layout, causal, scale)
-        if memo_key is not None:
-            known = call_memo.recall_entry(memo_key)
-            if (type(known) is _Run and known.forced == backend and known.generation == generation()
-                    and known.allowed == allowed_backends()):
-                x = Inputs(q, k, v)
-                out, lse = known.backend.forward(known.problem, x) if known.direct else \
-                    run(known.problem, known.backend, x)
-                return (out, lse) if return_lse else out
+        memo_key, known = call_memo.lookup(q, k, v, layout, causal, scale)
+        if (type(known) is _Run and known.forced == backend and known.generation == generation()
+                and known.allowed == allowed_backends()):
+            x = Inputs(q, k, v)
+            out, lse = known.backend.forward(known.problem, x) if known.direct else \
+                run(known.problem, known.backend, x)
+            return (out, lse) if return_lse else out
     if known is not None:  # validated before: choose, run, and remember the Run from now on
         p = known.problem if type(known) is _Run else known
         out, lse = _execute(p, Inputs(q, k, v), backend, memo_key)

@@ -41,35 +41,37 @@ class Run(NamedTuple):
     direct: bool             # `backend.forward(problem, Inputs(q, k, v))` is the whole call (bhsd, no grads)
 
 
-def plain_key(q, k, v, layout, causal, scale, rest: tuple = ()) -> Optional[tuple]:
-    """The memo key of a plain call, or None when the call is not plain (`rest`: every other argument)."""
+_NOT_PLAIN = (None, None)
+
+
+def lookup(q, k, v, layout, causal, scale) -> tuple:
+    """``(key, entry)`` of a call whose other arguments are all None, or ``(None, None)`` when it is
+    not plain: its memo key and what is remembered for it (its `Problem`, a `Run` the caller
+    checks, or None). One frame for both: `attnx.attention` runs this on every plain call."""
     if type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor:
-        return None  # subclasses (Parameters, fake or wrapper tensors) take the full path
+        return _NOT_PLAIN  # subclasses (Parameters, fake or wrapper tensors) take the full path
     if causal is not True and causal is not False:
-        return None
+        return _NOT_PLAIN
     if scale is not None and type(scale) is not float:
-        return None
+        return _NOT_PLAIN
     if type(layout) is not str:
-        return None
-    for arg in rest:
-        if arg is not None:
-            return None
+        return _NOT_PLAIN
     grads = None
     if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         grads = (q.requires_grad, k.requires_grad, v.requires_grad, torch.are_deterministic_algorithms_enabled())
-    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, layout, causal,
-            scale, grads)
+    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, layout, causal,
+           scale, grads)
+    return key, _memo.get(key)
+
+
+def problem_of(entry):
+    """The `Problem` of a remembered entry (a Problem, or a Run holding one); None for None."""
+    return entry.problem if type(entry) is Run else entry
 
 
 def recall(key: tuple):
     """The `Problem` validated for this key before, or None."""
-    entry = _memo.get(key)
-    return entry.problem if type(entry) is Run else entry
-
-
-def recall_entry(key: tuple):
-    """What is remembered for this key: its `Problem`, a `Run` (checked by the caller) or None."""
-    return _memo.get(key)
+    return problem_of(_memo.get(key))
 
 
 def remember(key: tuple, entry) -> None:

@@ -441,17 +441,17 @@ def make_call(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
 
     ``grad_inputs`` names the inputs that need gradients (default: `grad_names`; the
     torch.compile ops pass what they recorded while tracing). ``memo_key``: the call's
-    `call_memo.plain_key`, when the caller has looked it up already and found nothing (None: not
+    `call_memo.lookup` key, when the caller has looked it up already and found nothing (None: not
     a plain call); the validated `Problem` is remembered under it.
     """
     if memo_key is _COMPUTE:
-        memo_key = call_memo.plain_key(q, k, v, layout, causal, scale, (
-            mask, window, offset, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-            max_seqlen_k, seqlens_k, page_table, grad_inputs))
-        if memo_key is not None:  # a plain call validated before (see call_memo.py)
-            known = call_memo.recall(memo_key)
-            if known is not None:
-                return known, Inputs(q, k, v)
+        memo_key = None
+        if (mask is None and window is None and offset is None and softcap is None and alibi_slopes is None
+                and sinks is None and cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None
+                and max_seqlen_k is None and seqlens_k is None and page_table is None and grad_inputs is None):
+            memo_key, known = call_memo.lookup(q, k, v, layout, causal, scale)
+            if known is not None:  # a plain call validated before (see call_memo.py)
+                return call_memo.problem_of(known), Inputs(q, k, v)
     if layout not in LAYOUTS:
         raise InvalidArgumentError(f"`layout` must be 'bhsd' or 'bshd', got {layout!r}")
     x = Inputs(q, k, v, mask, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqlens_k, page_table)
