@@ -117,16 +117,24 @@ def check_call(q, k, v, *, group, sinks, **options) -> RingSpec:
     rows = _agree(group, world_size, _signature(spec, q, k, v, sinks), _signature_device(group))
     if error is not None:
         raise error
+    raise_on_disagreement(rows, _FIELDS, "shards of one shape")
+    return spec
+
+
+def raise_on_disagreement(rows: list[list[int]], fields: tuple, shards: str) -> None:
+    """Typed errors, on every rank alike, when a rank rejected its arguments or the ranks' signatures differ.
+
+    `rows` are the ranks' signatures (`_agree`), field 0 the "rejected" flag; `fields` names them.
+    """
     rejected = [r for r, row in enumerate(rows) if row[0]]
     if rejected:
         raise InvalidArgumentError(f"rank(s) {rejected} rejected their arguments (see the error raised there); "
                                    "no K/V was exchanged")
-    differ = [name for i, name in enumerate(_FIELDS) if len({row[i] for row in rows}) > 1]
+    differ = [name for i, name in enumerate(fields) if len({row[i] for row in rows}) > 1]
     if differ:
         raise InvalidArgumentError("the ranks of the group called ring attention with different "
-                                   + ", ".join(differ) + "; every rank must pass shards of one shape and the same "
+                                   + ", ".join(differ) + f"; every rank must pass {shards} and the same "
                                    "options (and all or none of them need gradients)")
-    return spec
 
 
 def check_return_lse(return_lse) -> None:

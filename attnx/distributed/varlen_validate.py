@@ -23,7 +23,7 @@ from .group import resolve_group
 from .rule import EXCHANGES, choose_exchange
 from .sharding import check_sharding
 from .spec import RingSpec
-from .validate import _CODES, _DTYPES, _agree, _needs_grad, _signature_device
+from .validate import _CODES, _DTYPES, _agree, _needs_grad, _signature_device, raise_on_disagreement
 from .varlen_calls import VarlenSpec
 from .varlen_sharding import _layout_from_shards, read_cu_seqlens
 
@@ -89,15 +89,7 @@ def check_varlen_call(q, k, v, *, group, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     if error is not None:
         raise error
     if world_size > 1:
-        rejected = [r for r, row in enumerate(rows) if row[0]]
-        if rejected:
-            raise InvalidArgumentError(f"rank(s) {rejected} rejected their arguments (see the error raised there); "
-                                       "no K/V was exchanged")
-        differ = [name for i, name in enumerate(_FIELDS) if len({row[i] for row in rows}) > 1]
-        if differ:
-            raise InvalidArgumentError("the ranks of the group called ring attention with different "
-                                       + ", ".join(differ) + "; every rank must pass shards of one batch and the "
-                                       "same options (and all or none of them need gradients)")
+        raise_on_disagreement(rows, _FIELDS, "shards of one batch")
         cus = _agree(group, world_size, cu, device)
     else:
         cus = [cu]
