@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import time
 import traceback
 
@@ -166,12 +165,13 @@ def _check_errors(rank: int, world: int) -> None:
     assert out.shape == mine.shape
 
 
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
+def _worker(rank: int, world: int, outdir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    # a file rendezvous in this run's own folder: no port another process could take between picking and binding
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(outdir, "rendezvous"), rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
     found = {}
     try:
         for name in list(CASES) + ["errors"]:
@@ -191,11 +191,6 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 _RESULTS: dict = {}
 
@@ -207,7 +202,7 @@ def _results(world: int, tmp_path_factory) -> dict:
         import torch.multiprocessing as mp
 
         outdir = str(tmp_path_factory.mktemp(f"ringv{world}"))
-        context = mp.start_processes(_worker, args=(world, _free_port(), outdir), nprocs=world, join=False,
+        context = mp.start_processes(_worker, args=(world, outdir), nprocs=world, join=False,
                                      start_method="spawn")
         deadline = time.monotonic() + SPAWN_TIMEOUT_S
         _RESULTS[world] = None
