@@ -105,8 +105,7 @@ def attention(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
                 run(known.problem, known.backend, x)
             return (out, lse) if return_lse else out
     if known is not None:  # validated before: choose, run, and remember the Run from now on
-        p = known.problem if type(known) is _Run else known
-        out, lse = _execute(p, Inputs(q, k, v), backend, memo_key)
+        out, lse = _execute(call_memo.problem_of(known), Inputs(q, k, v), backend, memo_key)
         return (out, lse) if return_lse else out
     options = dict(causal=causal, window=window, offset=offset, mask=mask, scale=scale, softcap=softcap,
                    alibi_slopes=alibi_slopes, sinks=sinks, layout=layout, cu_seqlens_q=cu_seqlens_q,
