@@ -8,7 +8,6 @@ the ranks) within float32 tolerance.
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import time
@@ -22,6 +21,8 @@ from attnx.distributed import (gather_varlen, ring_attention, shard_positions_va
                                unshard_varlen)
 from attnx.distributed.varlen_calls import VarlenSpec, plan_block
 from attnx.distributed.varlen_sharding import VarlenLayout
+
+from distributed_harness import init_gloo, run_ranks
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 SPAWN_TIMEOUT_S = 100
@@ -169,9 +170,7 @@ def _worker(rank: int, world: int, outdir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    # a file rendezvous in this run's own folder: no port another process could take between picking and binding
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(outdir, "rendezvous"), rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    init_gloo(rank, world, outdir)
     found = {}
     try:
         for name in list(CASES) + ["errors"]:
@@ -199,27 +198,9 @@ def _results(world: int, tmp_path_factory) -> dict:
     if world in _RESULTS and _RESULTS[world] is None:
         pytest.fail(f"the varlen ring workers of world size {world} failed (see the first test of that size)")
     if world not in _RESULTS:
-        import torch.multiprocessing as mp
-
+        _RESULTS[world] = None  # a spawn that fails is not repeated by every test
         outdir = str(tmp_path_factory.mktemp(f"ringv{world}"))
-        context = mp.start_processes(_worker, args=(world, outdir), nprocs=world, join=False,
-                                     start_method="spawn")
-        deadline = time.monotonic() + SPAWN_TIMEOUT_S
-        _RESULTS[world] = None
-        try:
-            while not context.join(timeout=max(0.1, deadline - time.monotonic())):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"varlen ring workers (world size {world}) ran past {SPAWN_TIMEOUT_S} s")
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.terminate()
-        merged = {}
-        for rank in range(world):
-            with open(os.path.join(outdir, f"rank{rank}.json")) as f:
-                for name, result in json.load(f).items():
-                    merged.setdefault(name, {})[rank] = result
-        _RESULTS[world] = merged
+        _RESULTS[world] = run_ranks(_worker, world, outdir, SPAWN_TIMEOUT_S, "varlen ring")
     return _RESULTS[world]
 
 
