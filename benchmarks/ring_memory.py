@@ -47,7 +47,9 @@ def _measure(call) -> tuple[int, float]:
     start = time.perf_counter()
     call()
     seconds = time.perf_counter() - start
-    return _status("VmHWM:") - before, seconds
+    # VmRSS can fall below `before` between the reset and the call's first allocation (the kernel
+    # updates VmHWM lazily, background threads free memory): a call's peak beyond its start is >= 0
+    return max(0, _status("VmHWM:") - before), seconds
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict, outdir: str) -> None:
