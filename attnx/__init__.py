@@ -15,6 +15,7 @@ from .autograd import alloc_out, lse_shape, sum_to_shape
 from .backend import Backend
 from .dispatch import Decision
 from .errors import AttnxError, InvalidArgumentError, InvalidTypeError, NoBackendError
+from .index_checks import check_indices, validate_indices
 from .inputs import Grads, Inputs
 from .kvcache import CacheCapacityError, CachePlan, KVCache
 from .merge import merge
@@ -27,7 +28,7 @@ from . import compat  # noqa: E402  (cheap: imports transformers or flash-attn s
 
 __all__ = [
     "attention", "attention_backward", "explain", "plan", "Plan", "merge", "KVCache", "CachePlan", "CacheCapacityError",
-    "use_backend", "list_backends", "register_backend",
+    "use_backend", "list_backends", "register_backend", "validate_indices", "check_indices",
     "unregister_backend", "registered", "get_backend", "registered_backends", "Backend", "Problem", "Inputs",
     "Grads", "Decision", "make_call", "make_problem", "alloc_out", "lse_shape", "sum_to_shape",
     "AttnxError", "InvalidArgumentError", "InvalidTypeError", "NoBackendError", "compat", "__version__",

@@ -1,7 +1,8 @@
 """The varlen, cache and paged tensor formats, seen one sequence at a time.
 
-`sequences` reads the index tensors (one host sync), checks every value a kernel
-would trust (so nothing a user passes makes a read go out of bounds), and yields
+`sequences` reads the index tensors (one host sync) and checks every value a kernel
+would trust (`attnx.index_checks.read_indices`: nothing a user passes makes a read go
+out of bounds; a bad value raises an error naming its entry), and yields
 each sequence as a dense ``(1, H, S, D)`` problem. A backend without a kernel of
 its own for a format runs its dense kernels once per sequence through
 `per_sequence_forward` / `per_sequence_backward`; `gather_outputs` puts results
@@ -11,12 +12,12 @@ into the packed tensors and page pools.
 """
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 
 from .empty import empty_attention
-from .errors import InvalidArgumentError
+from .index_checks import HostIndices, read_indices
 from .inputs import Grads, Inputs
 from .problem import Problem
 
@@ -29,39 +30,20 @@ class Sequence(NamedTuple):
     alibi_slopes: torch.Tensor | None  # (1, Hq) or None
 
 
-def _offsets(name: str, cu: torch.Tensor, total: int) -> list[int]:
-    values = cu.tolist()
-    if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values, values[1:])):
-        raise InvalidArgumentError(f"`{name}` must rise from 0 to the packed length {total}, got {values}")
-    return values
-
-
-def _lengths(p: Problem, x: Inputs) -> list[int]:
-    lengths = x.seqlens_k.tolist()
-    if any(n < 0 or n > p.seqlen_k for n in lengths):
-        raise InvalidArgumentError(f"`seqlens_k` must lie in [0, {p.seqlen_k}] (the cache's capacity), got {lengths}")
-    return lengths
-
-
 def _page_rows(p: Problem, x: Inputs, b: int, length: int) -> torch.Tensor:
-    """Pool row of each of sequence b's keys: page * page_size + row in page."""
-    used = -(-length // p.page_size)
-    pages = x.page_table[b, :used].long()
-    num_pages = x.k.shape[0]
-    if used and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
-        raise InvalidArgumentError(f"`page_table` row {b} names pages outside the pool [0, {num_pages})")
+    """Pool row of each of sequence b's keys: page * page_size + row in page (pages checked already)."""
+    pages = x.page_table[b, :-(-length // p.page_size)].long()
     keys = torch.arange(length, device=pages.device)
     return pages[keys // p.page_size] * p.page_size + keys % p.page_size
 
 
-def sequences(p: Problem, x: Inputs) -> Iterator[Sequence]:
-    """Each sequence of a (non-dense) problem as dense ``bhsd`` views, bottom-right offsets per sequence."""
-    q_starts = _offsets("cu_seqlens_q", x.cu_seqlens_q, x.q.shape[0]) if p.q_format == "varlen" else None
-    if p.kv_format == "varlen":
-        k_starts = _offsets("cu_seqlens_k", x.cu_seqlens_k, x.k.shape[0])
-        lengths = [b - a for a, b in zip(k_starts, k_starts[1:])]
-    else:
-        lengths = _lengths(p, x)
+def sequences(p: Problem, x: Inputs, host: Optional[HostIndices] = None) -> Iterator[Sequence]:
+    """Each sequence of a (non-dense) problem as dense ``bhsd`` views, bottom-right offsets per sequence.
+
+    ``host``: the call's index values from `read_indices` (read here when None).
+    """
+    host = read_indices(p, x) if host is None else host
+    q_starts, k_starts, lengths = host
     for b in range(p.batch):
         if q_starts is not None:
             q = x.q[q_starts[b]:q_starts[b + 1]].transpose(0, 1).unsqueeze(0)
@@ -132,12 +114,11 @@ def per_sequence_forward(p: Problem, x: Inputs, dense_forward, out: torch.Tensor
 def per_sequence_backward(p: Problem, x: Inputs, out, lse, dout, dense_backward) -> Grads:
     """`Grads` of a non-dense problem from ``dense_backward(p_b, x_b, out_b, lse_b, dout_b)`` per sequence."""
     leaves = {n: getattr(x, n).detach().requires_grad_() for n in ("q", "k", "v")}
-    starts = None
-    if p.q_format == "varlen":
-        starts = _offsets("cu_seqlens_q", x.cu_seqlens_q, x.q.shape[0])
+    host = read_indices(p, x)
+    starts = host.q_starts
     views, grads, dsinks = [], [], None
     with torch.enable_grad():
-        for seq in sequences(p, x.replace(**leaves)):
+        for seq in sequences(p, x.replace(**leaves), host):
             p_b = sequence_problem(p, seq)
             if p_b.is_empty:
                 continue

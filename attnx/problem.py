@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import call_memo
+from . import call_memo, index_checks
 from .capability import device_arch
 from .errors import InvalidArgumentError, InvalidTypeError
 from .inputs import Inputs
@@ -480,6 +480,8 @@ def make_call(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
         window=window, offset=offset, mask_kind=mask_kind, mask_shape=mask_shape, mask_requires_grad=mask_grad,
         alibi=alibi_slopes is not None, sinks=sinks is not None, softcap=softcap, scale=scale,
         needs_grad=bool(wanted), q_format=q_format, kv_format=kv_format)
+    if not p.is_dense and index_checks.validating():  # a debugging mode: reads the values (a host sync)
+        index_checks.read_indices(p, x, check_longest=True)
     if memo_key is not None:
         call_memo.remember(memo_key, p)
     return p, x
