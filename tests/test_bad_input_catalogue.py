@@ -148,6 +148,12 @@ def fa_varlen(**kw):
     return fa.flash_attn_varlen_func(*tensors, **args)
 
 
+def validated(call, **kw):
+    """``call(**kw)`` inside `attnx.validate_indices()`: index values read before any backend runs."""
+    with attnx.validate_indices():
+        return call(**kw)
+
+
 def kvc(**kw):
     tensors = kw.pop("tensors", None) or (r(B, 1, HQ, D), r(B, 6, HKV, D), r(B, 6, HKV, D))
     return fa.flash_attn_with_kvcache(*tensors, **kw)
@@ -163,6 +169,7 @@ def qkv3(*shape):    # sdpa tensors (N, H, L, E) or (L, E)
 
 A = "attention"
 AV, AC, AP = "attention (packed)", "attention (KV cache)", "attention (paged cache)"
+VI = "attention (validate_indices)"
 FA, FAV, FAC = "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"
 
 ROWS = [
@@ -276,6 +283,29 @@ ROWS = [
     Row(AP, "seqlens_k", "missing", Arg, ref="page-table-without-lengths"),
     Row(AP, "seqlens_k", "past the page table (naive/blocked: checked on the host)", Arg,
         lambda: paged(seqlens_k=i32(3, 9), backend="naive")),
+
+    # -- attention inside attnx.validate_indices(): values read first, the bad entry named -----
+    Row(VI, "cu_seqlens_q", "does not start at 0", Arg, lambda: validated(varlen, cu_seqlens_q=i32(1, 3, 7)),
+        words="`cu_seqlens_q`[0] = 1"),
+    Row(VI, "cu_seqlens_q", "an entry below the one before", Arg,
+        lambda: validated(varlen, cu_seqlens_q=i32(0, 5, 3), max_seqlen_q=5), words="`cu_seqlens_q`[2] = 3 <"),
+    Row(VI, "cu_seqlens_k", "does not end at the packed length", Arg,
+        lambda: validated(varlen, cu_seqlens_k=i32(0, 4, 8)), words="`cu_seqlens_k`[2] = 8"),
+    Row(VI, "max_seqlen_q", "below a packed sequence's length", Arg, lambda: validated(varlen, max_seqlen_q=3)),
+    Row(VI, "max_seqlen_k", "below a packed sequence's length", Arg, lambda: validated(varlen, max_seqlen_k=4)),
+    Row(VI, "seqlens_k", "above the cache capacity", Arg, lambda: validated(cached, seqlens_k=i32(3, 7)),
+        words="`seqlens_k`[1] = 7"),
+    Row(VI, "seqlens_k", "negative", Arg, lambda: validated(cached, seqlens_k=i32(-1, 5)), words="`seqlens_k`[0] = -1"),
+    Row(VI, "seqlens_k", "past the page table", Arg, lambda: validated(paged, seqlens_k=i32(3, 9)),
+        words="`seqlens_k`[1] = 9"),
+    Row(VI, "page_table", "a used entry outside the pool", Arg,
+        lambda: validated(paged, page_table=table([0, 1], [2, -1])), words="`page_table`[1, 1] = -1"),
+    Row("plan (validate_indices)", "page_table", "a used entry outside the pool", Arg,
+        lambda: validated(attnx.plan, q=pools()[0], k=pools()[1], v=pools()[2], seqlens_k=i32(3, 5),
+                          page_table=table([0, 1], [2, 3])), words="`page_table`[1, 1] = 3"),
+    Row("check_indices", "cu_seqlens_k", "an entry below the one before", Arg,
+        lambda: attnx.check_indices(*packed(), cu_seqlens_q=i32(*CU_Q), cu_seqlens_k=i32(0, 10, 9)),
+        words="`cu_seqlens_k`[2] = 9 <"),
 
     # -- merge --------------------------------------------------------------------------------
     Row("merge", "outs", "a tensor, not a list of parts", Type, lambda: attnx.merge(*out_lse())),
@@ -399,6 +429,13 @@ ROWS = [
     Row(FAC, "cache_seqlens", "a float tensor", Arg, lambda: kvc(cache_seqlens=torch.tensor([2.0, 3.0]))),
     Row(FAC, "cache_seqlens", "past the cache (naive/blocked: checked on the host)", Arg,
         lambda: kvc(cache_seqlens=9, ), words="seqlens_k"),
+    Row(FAC, "cache_seqlens", "one sequence without room for the new keys", Arg,
+        lambda: kvc(k=r(B, 2, HKV, D), v=r(B, 2, HKV, D), cache_seqlens=i32(1, 5)), words="`cache_seqlens`[1] + new"),
+    Row(FAC, "block_table", "a page the new keys go to outside the pool", Arg,
+        lambda: kvc_pools(k=r(B, 1, HKV, D), v=r(B, 1, HKV, D), cache_seqlens=i32(2, 4), block_table=table([0, 1], [2, -1])),
+        words="`block_table`[1, 1] = -1"),
+    Row(FAC, "block_table", "not int32, with new keys", Type,
+        lambda: kvc_pools(k=r(B, 1, HKV, D), v=r(B, 1, HKV, D), cache_seqlens=2, block_table=table([0, 1], [2, 0]).long())),
     Row(FAC, "cache_batch_idx", "not an integer tensor", Type, lambda: kvc(cache_seqlens=2,
                                                                           cache_batch_idx=torch.tensor([0.0, 1.0]))),
     Row(FAC, "cache_batch_idx", "a row outside the cache", Arg, lambda: kvc(cache_seqlens=2, cache_batch_idx=i32(0, 5))),

@@ -8,6 +8,7 @@ import torch
 
 from ..api import attention
 from ..errors import InvalidArgumentError, InvalidTypeError
+from ..index_checks import check_append, check_pages
 from .errors import CompatArgumentError
 from .flash_attn_args import options
 
@@ -30,11 +31,9 @@ def _cache_lengths(cache_seqlens, batch: int, device) -> Optional[torch.Tensor]:
 
 def _slots(lengths: torch.Tensor, new: int, capacity: int) -> torch.Tensor:
     """Cache positions ``(batch, new)`` the new keys go to; every one must lie inside the cache."""
-    slots = lengths.long()[:, None] + torch.arange(new, device=lengths.device)
-    if slots.numel() and (int(lengths.min()) < 0 or int(slots.max()) >= capacity):
-        raise InvalidArgumentError(f"the new keys (cache_seqlens + {new}) do not fit in the cache of {capacity} "
-                                   f"positions per sequence: cache_seqlens = {lengths.tolist()}")
-    return slots
+    if new:  # one host read; the error names the sequence that does not fit
+        check_append("cache_seqlens", lengths.tolist(), [new] * lengths.shape[0], capacity)
+    return lengths.long()[:, None] + torch.arange(new, device=lengths.device)
 
 
 def _check_inputs(q, k_cache, k, v, cache_batch_idx) -> None:
@@ -77,7 +76,15 @@ def _append(k_cache, v_cache, k, v, lengths, block_table, cache_batch_idx) -> No
         index = (rows[:, None].expand(batch, new), slots)
     else:
         page_size = k_cache.shape[1]
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
+            raise InvalidTypeError(f"flash_attn_with_kvcache: `block_table` must be an int32 tensor, got "
+                                   f"{getattr(block_table, 'dtype', type(block_table).__name__)}")
+        if block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise InvalidArgumentError(f"flash_attn_with_kvcache: `block_table` must be (batch, max_blocks) with "
+                                       f"batch {batch}, got {tuple(block_table.shape)}")
         slots = _slots(lengths, new, block_table.shape[1] * page_size)
+        # the pages each sequence will read, new ones included, inside the pool (a -1 would write elsewhere)
+        check_pages("block_table", block_table, (lengths.long() + new + page_size - 1) // page_size, k_cache.shape[0])
         pages = torch.gather(block_table.long(), 1, slots // page_size)
         index = (pages, slots % page_size)
     k_cache[index] = k.to(k_cache.dtype)
