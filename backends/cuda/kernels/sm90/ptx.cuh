@@ -105,3 +105,9 @@ DEVI void named_sync(int id, int threads) { asm volatile("bar.sync %0, %1;\n" ::
 DEVI void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+
+// ---- global reductions (the backward's dQ) -------------------------------------------------
+// Two fp32 adds to consecutive (8-byte aligned) floats in one vector reduction (sm_90).
+DEVI void red_add_v2(float* addr, float a, float b) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
+}

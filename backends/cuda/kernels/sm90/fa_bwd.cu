@@ -1,0 +1,477 @@
+// FlashAttention backward for Hopper (sm_90a): warp-specialised, TMA-fed, wgmma.
+//
+// One thread block of three warpgroups per 128 keys (BN) of one (batch, kv head); it walks
+// every query block of every query head of its GQA group, so dK and dV are summed over the
+// group in registers (no copies, no atomics):
+// - warpgroup 0, the producer, gives back most of its registers; one of its threads loads K and
+//   V once and then Q and dO of each step through a 2-stage TMA ring, its warp copies the step's
+//   lse (log2 units, +inf past the sequence end) and delta rows beside them, and every lane
+//   arrives on the stage's "full" barrier (the TMA bytes and the 32 arrivals complete it);
+// - warpgroups 1 and 2, the consumers, own 64 keys each. Per step of BM queries:
+//     S^T = K Q^T, dP^T = V dO^T     wgmma, both operands in shared memory (K-major)
+//     P^T = exp2(S^T - lse), dS^T = P^T (dP^T - delta) [x softcap'] in registers
+//     dV += P^T dO, dK += dS^T Q     wgmma with A from registers (dO, Q MN-major)
+//     dS^T -> shared memory (double-buffered; a named barrier joins the two consumers)
+//     dQ += dS K                     wgmma, A (dS) and B (K) MN-major in shared memory, each
+//                                    consumer one half of dQ (BM = 64: columns; BM = 128: rows),
+//                                    added to the fp32 dq_accum with red.global.add.v2
+// - at the end dK (times the scale) and dV go through the (now free) K and V tiles to TMA stores
+//   that clip at Sk and at the head dims.
+// The schedule is the plain one (each GEMM group waited before the next): no overlap of the
+// elementwise work with the tensor cores inside a warpgroup yet.
+// A step whose tile is not wholly inside the causal/window band (tested for the whole thread
+// block, so ptxas keeps the wgmma pipeline) masks per element; the others skip the mask.
+// Rows and columns outside the tensors arrive from TMA as zeros; padded query rows get lse = +inf
+// (P = 0), padded keys are masked (key_visible checks Sk).
+//
+// Compile-time knobs (NVRTC -D): IS_BF16, HEAD_DIM (tile: 64 with BLOCK_M 128, 128 with BLOCK_M
+// 64), BLOCK_M (queries per step), BLOCK_N (keys per block, 128), SCORE_MOD.
+// NOT YET RUN ON A GPU (written and compiled offline, 2026-12-01): see backends/cuda/NOTES.md.
+#include "common/mask.cuh"
+#include "common/score_mod.cuh"
+#include "sm90/ptx.cuh"
+#include "sm90/wgmma_ops.cuh"
+
+namespace sm90_bwd {
+
+constexpr int BN = 128;             // keys per thread block: 2 consumer warpgroups x 64
+constexpr int THREADS = 384;        // producer + 2 consumers
+constexpr int CONSUMER_WARPS = 8;   // arrivals that free a Q/dO stage
+constexpr int FULL_ARRIVALS = 33;   // the producer's expect_tx arrival + its warp's 32 after the lse/delta copy
+constexpr int PRODUCER_REGS = 24;
+constexpr int CONSUMER_REGS = 240;  // 128 x 24 + 256 x 240 <= 64K registers
+constexpr int STEP_BARRIER = 1;     // named barriers: 1 both consumers (256); 2, 3 one consumer's epilogue
+constexpr int STORE_BARRIER = 2;
+
+// Byte offsets in the 1024-aligned dynamic shared memory (every tile a multiple of 1024 bytes).
+template <int HD, int BM>
+struct Layout {
+  static constexpr int PANELS = HD / 64;          // 64 columns = 128 bytes, one swizzle atom wide
+  static constexpr int KV_PANEL = BN * 128;
+  static constexpr int KV_TILE = PANELS * KV_PANEL;
+  static constexpr int QD_PANEL = BM * 128;       // Q and dO
+  static constexpr int QD_TILE = PANELS * QD_PANEL;
+  static constexpr int DS_PANEL = BN * 128;       // dS^T: keys x 64 queries per panel
+  static constexpr int DS_TILE = (BM / 64) * DS_PANEL;
+  static constexpr int K = 0;
+  static constexpr int V = K + KV_TILE;
+  static constexpr int Q = V + KV_TILE;           // 2 stages
+  static constexpr int DO = Q + 2 * QD_TILE;      // 2 stages
+  static constexpr int DS = DO + 2 * QD_TILE;     // 2 buffers
+  static constexpr int LSE = DS + 2 * DS_TILE;    // 2 stages x BM floats
+  static constexpr int DELTA = LSE + 2 * BM * 4;  // 2 stages x BM floats
+  static constexpr int BARRIERS = DELTA + 2 * BM * 4;
+  static constexpr int BYTES = BARRIERS + 8 * 5;
+  // barriers: kv_full, then per stage full, empty
+  static DEVI u32 kv_full(u32 base) { return base + BARRIERS; }
+  static DEVI u32 full(u32 base, int s) { return base + BARRIERS + 8 * (1 + s); }
+  static DEVI u32 empty(u32 base, int s) { return base + BARRIERS + 8 * (3 + s); }
+};
+
+// What one thread block works on: keys [n0, n0 + BN) of kv head hk, and `steps` steps of
+// (query head, query block), query heads outer.
+struct Work {
+  int b, hk, n0;
+  int m_first, m_count;  // query blocks some query of which sees a key of the block
+  int steps;             // m_count x group
+};
+
+template <int BM>
+DEVI Work work_of(const AttnParams& p, const Visibility& vis) {
+  Work w;
+  const int nblk = p.num_blocks;
+  const int bhk = blockIdx.x / nblk;
+  const int nb = blockIdx.x - bhk * nblk;  // causal: the low key blocks, seen by most queries, first
+  w.b = bhk / p.heads_kv;
+  w.hk = bhk - w.b * p.heads_kv;
+  w.n0 = nb * BN;
+  int q_lo, q_hi;
+  queries_seeing(vis, w.n0, min(w.n0 + BN, vis.seqlen_k) - 1, &q_lo, &q_hi);
+  w.m_first = q_lo / BM;
+  w.m_count = q_hi >= q_lo ? q_hi / BM - w.m_first + 1 : 0;
+  w.steps = w.m_count * p.group;
+  return w;
+}
+
+DEVI int step_head(const AttnParams& p, const Work& w, int i) { return w.hk * p.group + i / w.m_count; }
+template <int BM>
+DEVI int step_m0(const Work& w, int i) {
+  return (w.m_first + i % w.m_count) * BM;
+}
+
+// ---- producer (one warp) ----------------------------------------------------------------------
+template <int HD, int BM>
+DEVI void produce(const AttnParams& p, const Work& w, u32 base, float* lse_s, float* delta_s, const TmaMap* tq,
+                  const TmaMap* tk, const TmaMap* tv, const TmaMap* tdo) {
+  using L = Layout<HD, BM>;
+  const int lane = threadIdx.x & 31;
+  if (lane == 0) {
+    tma_prefetch(tq);
+    tma_prefetch(tk);
+    tma_prefetch(tv);
+    tma_prefetch(tdo);
+    mbar_arrive_expect_tx(L::kv_full(base), 2 * L::KV_TILE);
+#pragma unroll
+    for (int pn = 0; pn < L::PANELS; ++pn) {
+      tma_load_4d(base + L::K + pn * L::KV_PANEL, tk, pn * 64, w.n0, w.hk, w.b, L::kv_full(base));
+      tma_load_4d(base + L::V + pn * L::KV_PANEL, tv, pn * 64, w.n0, w.hk, w.b, L::kv_full(base));
+    }
+  }
+  for (int i = 0; i < w.steps; ++i) {
+    const int s = i & 1;
+    const int hq = step_head(p, w, i), m0 = step_m0<BM>(w, i);
+    mbar_wait(L::empty(base, s), ((i >> 1) & 1) ^ 1);
+    if (lane == 0) {
+      mbar_arrive_expect_tx(L::full(base, s), 2 * L::QD_TILE);
+#pragma unroll
+      for (int pn = 0; pn < L::PANELS; ++pn) {
+        tma_load_4d(base + L::Q + s * L::QD_TILE + pn * L::QD_PANEL, tq, pn * 64, m0, hq, w.b, L::full(base, s));
+        tma_load_4d(base + L::DO + s * L::QD_TILE + pn * L::QD_PANEL, tdo, pn * 64, m0, hq, w.b, L::full(base, s));
+      }
+    }
+    const long long rows = ((long long)w.b * p.heads_q + hq) * p.seqlen_q;
+    for (int r = lane; r < BM; r += 32) {
+      const bool inside = m0 + r < p.seqlen_q;
+      lse_s[s * BM + r] = inside ? p.lse[rows + m0 + r] : pos_inf();  // P = 0 on padded rows
+      delta_s[s * BM + r] = inside ? p.delta[rows + m0 + r] : 0.f;
+    }
+    mbar_arrive(L::full(base, s));  // release: the copies above are visible to the consumers' wait
+  }
+}
+
+// ---- consumer parts ---------------------------------------------------------------------------
+// C^T = A B^T for this warpgroup's 64 rows of A (keys) and the BM rows of B (queries), both
+// K-major over HD columns: S^T = K Q^T and dP^T = V dO^T.
+template <bool BF16, int HD, int BM>
+DEVI void issue_rows_by_queries(float (&c)[BM / 2], u32 a_rows, u32 b_tile) {
+#pragma unroll
+  for (int ks = 0; ks < HD / 16; ++ks) {
+    const u64 a = smem_desc(a_rows + (ks / 4) * (BN * 128) + (ks % 4) * 32, 16, 1024);
+    const u64 b = smem_desc(b_tile + (ks / 4) * (BM * 128) + (ks % 4) * 32, 16, 1024);
+    wgmma_ss<BM, BF16>(c, a, b, ks > 0);
+  }
+}
+
+// acc += A B with A (64 keys x BM queries) from registers and B (BM queries x HD) MN-major:
+// dV += P^T dO, dK += dS^T Q. k-steps of 16 queries are 2048 bytes apart inside a panel.
+template <bool BF16, int HD, int BM>
+DEVI void issue_from_registers(float (&acc)[HD / 2], const u32 (&a)[BM / 16][4], u32 b_tile) {
+#pragma unroll
+  for (int kk = 0; kk < BM / 16; ++kk) wgmma_rs<HD, BF16>(acc, a[kk], smem_desc(b_tile + kk * 2048, BM * 128, 1024), 1);
+}
+
+// dQ part = dS K over KEYS keys: A = 64 queries of dS^T (MN-major, one panel), B = DQ_N columns
+// of K (MN-major, whole panels), both starting at the first of those keys.
+template <bool BF16, int DQ_N, int KEYS>
+DEVI void issue_dq(float (&dq)[DQ_N / 2], u32 ds_panel, u32 k_panel) {
+#pragma unroll
+  for (int kk = 0; kk < KEYS / 16; ++kk)
+    wgmma_ss_mn<DQ_N, BF16>(dq, smem_desc(ds_panel + kk * 2048, BN * 128, 1024),
+                            smem_desc(k_panel + kk * 2048, BN * 128, 1024), kk > 0);
+}
+
+// The fast path (no score mod): one step's probabilities and score gradients from S^T and dP^T,
+// packed as the 16-bit A operands of the next GEMMs (accumulator and operand layouts coincide for
+// 16-bit types; register j of k-step kk is row half j%2, 8-column chunk 2kk + j/2). Columns are
+// queries, rows keys; the scale is folded into exp2's argument.
+template <bool BF16, bool MASK, int BM>
+DEVI void grads_block(const float (&st)[BM / 2], const float (&dpt)[BM / 2], u32 (&pa)[BM / 16][4],
+                      u32 (&da)[BM / 16][4], const float* lse, const float* delta, const Visibility& vis,
+                      float unit, int key0, int m0, int t4) {
+#pragma unroll
+  for (int kk = 0; kk < BM / 16; ++kk) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int i = 8 * kk + 4 * (j >> 1) + 2 * (j & 1);
+      const int key = key0 + 8 * (j & 1);
+      const int col = 16 * kk + 8 * (j >> 1) + 2 * t4;  // query inside the step
+      const float2 l = *reinterpret_cast<const float2*>(lse + col);
+      const float2 d = *reinterpret_cast<const float2*>(delta + col);
+      float pr[2], ds[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int query = m0 + col + e;
+        float pe = exp2_approx(fmaf(st[i + e], unit, -(e ? l.y : l.x)));
+        if constexpr (MASK)
+          if (query >= vis.seqlen_q || !key_visible(vis, query, key)) pe = 0.f;
+        pr[e] = pe;
+        ds[e] = pe * (dpt[i + e] - (e ? d.y : d.x));
+      }
+      pa[kk][j] = pack2<BF16>(pr[0], pr[1]);
+      da[kk][j] = pack2<BF16>(ds[0], ds[1]);
+    }
+  }
+}
+
+// Masked or not: two whole copies, so no thread-dependent path sits among the wgmmas.
+template <bool BF16, int BM>
+DEVI void grads_any(bool masked, const float (&st)[BM / 2], const float (&dpt)[BM / 2], u32 (&pa)[BM / 16][4],
+                    u32 (&da)[BM / 16][4], const float* lse, const float* delta, const Visibility& vis,
+                    float unit, int key0, int m0, int t4) {
+  if (masked)
+    grads_block<BF16, true, BM>(st, dpt, pa, da, lse, delta, vis, unit, key0, m0, t4);
+  else
+    grads_block<BF16, false, BM>(st, dpt, pa, da, lse, delta, vis, unit, key0, m0, t4);
+}
+
+// The score-mod path in two halves, so tanh's temporaries never meet dP^T's registers (one
+// fused pass spilled at d128): first S^T -> P^T in place (fp32) and the softcap derivative packed
+// as f16x2 (exactly 1 without a softcap; else 11 bits, finer than the bf16 rounding of dS) ...
+template <bool MASK, int BM>
+DEVI void probs_modded(float (&st)[BM / 2], u32 (&dcap)[BM / 4], const float* lse, const Visibility& vis,
+                       const ScoreMod& mod, int key0, int m0, int t4) {
+#pragma unroll
+  for (int i = 0; i < BM / 2; i += 2) {
+    const int key = key0 + 8 * ((i >> 1) & 1);
+    const int col = 8 * (i >> 2) + 2 * t4;
+    const float2 l = *reinterpret_cast<const float2*>(lse + col);
+    float dc[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int query = m0 + col + e;
+      const float x = apply_score_mod(mod, st[i + e], query, key, &dc[e]);
+      float pe = exp2_approx(fmaf(x, ATTNX_LOG2E, -(e ? l.y : l.x)));
+      if constexpr (MASK)
+        if (query >= vis.seqlen_q || !key_visible(vis, query, key)) pe = 0.f;
+      st[i + e] = pe;
+    }
+    dcap[i / 2] = pack2<false>(dc[0], dc[1]);
+  }
+}
+
+template <int BM>
+DEVI void probs_modded_any(bool masked, float (&st)[BM / 2], u32 (&dcap)[BM / 4], const float* lse,
+                           const Visibility& vis, const ScoreMod& mod, int key0, int m0, int t4) {
+  if (masked)
+    probs_modded<true, BM>(st, dcap, lse, vis, mod, key0, m0, t4);
+  else
+    probs_modded<false, BM>(st, dcap, lse, vis, mod, key0, m0, t4);
+}
+
+DEVI float2 unpack_f16x2(u32 v) {
+  float2 r;
+  asm("{\n.reg .f16 lo, hi;\nmov.b32 {lo, hi}, %2;\ncvt.f32.f16 %0, lo;\ncvt.f32.f16 %1, hi;\n}\n"
+      : "=f"(r.x), "=f"(r.y)
+      : "r"(v));
+  return r;
+}
+
+// ... then, with dP^T, the packed operands: P^T and dS^T = P^T (dP^T - delta) softcap'.
+template <bool BF16, int BM>
+DEVI void grads_from_probs(const float (&pt)[BM / 2], const float (&dpt)[BM / 2], const u32 (&dcap)[BM / 4],
+                           u32 (&pa)[BM / 16][4], u32 (&da)[BM / 16][4], const float* delta, int t4) {
+#pragma unroll
+  for (int kk = 0; kk < BM / 16; ++kk) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int i = 8 * kk + 4 * (j >> 1) + 2 * (j & 1);
+      const int col = 16 * kk + 8 * (j >> 1) + 2 * t4;
+      const float2 d = *reinterpret_cast<const float2*>(delta + col);
+      const float2 c = unpack_f16x2(dcap[i / 2]);
+      pa[kk][j] = pack2<BF16>(pt[i], pt[i + 1]);
+      da[kk][j] = pack2<BF16>(pt[i] * (dpt[i] - d.x) * c.x, pt[i + 1] * (dpt[i + 1] - d.y) * c.y);
+    }
+  }
+}
+
+// 128-byte swizzle of TMA tiles: the 16-byte chunk index is xor-ed with the row inside its 8-row atom.
+DEVI u32 swizzled(u32 panel, int row, int col) {
+  return panel + row * 128 + ((u32)((col >> 3) ^ (row & 7)) << 4) + (col & 7) * 2;
+}
+
+// dS^T of this warpgroup's 64 keys -> its rows of the step's dS^T buffer (panels of 64 queries).
+template <int BM>
+DEVI void stage_ds(const u32 (&da)[BM / 16][4], u32 ds_tile, int key_row, int t4) {
+#pragma unroll
+  for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int row = key_row + 8 * (j & 1);
+      const int col = 16 * kk + 8 * (j >> 1) + 2 * t4;
+      const u32 addr = swizzled(ds_tile + (col / 64) * (BN * 128), row, col % 64);
+      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(da[kk][j]) : "memory");
+    }
+}
+
+// A 64 x N accumulator (rows of this warpgroup) times `scale` -> 16-bit, swizzled, into `rows`
+// (the warpgroup's first row of a BN-row tile: panels BN * 128 bytes apart).
+template <bool BF16, int HD>
+DEVI void write_rows(const float (&acc)[HD / 2], float scale, u32 rows, int warp_in_group, int lane) {
+  const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int c = 0; c < HD / 8; ++c)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_in_group * 16 + g + half * 8;
+      const u32 addr = swizzled(rows + (c / 8) * (BN * 128), row, (c % 8) * 8 + 2 * t4);
+      const u32 packed = pack2<BF16>(acc[4 * c + 2 * half] * scale, acc[4 * c + 2 * half + 1] * scale);
+      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(packed) : "memory");
+    }
+}
+
+template <bool BF16, int HD, int BM, bool MOD>
+DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32 base, const float* lse_s,
+                  const float* delta_s, const TmaMap* tdk, const TmaMap* tdv) {
+  using L = Layout<HD, BM>;
+  // dQ = dS K split between the consumers: BM = 128, by rows (one dS^T panel each); BM = 64, by
+  // columns (one K panel each) where the head dim has two panels, else by keys (each its own 64,
+  // both adding to the same dQ elements)
+  enum { BY_ROWS, BY_COLUMNS, BY_KEYS };
+  constexpr int DQ_SPLIT = BM == 128 ? BY_ROWS : HD >= 128 ? BY_COLUMNS : BY_KEYS;
+  constexpr int DQ_N = DQ_SPLIT == BY_COLUMNS ? HD / 2 : HD;
+  constexpr int DQ_KEYS = DQ_SPLIT == BY_KEYS ? 64 : BN;
+  static_assert(DQ_N % 64 == 0, "MN-major wgmma operands are whole 64-column panels");
+  static_assert(BM == 64 || BM == 128, "a step is one or two dS^T panels");
+  const int consumer = threadIdx.x / 128 - 1;
+  const int warp_in_group = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int key_row = consumer * 64 + warp_in_group * 16 + g;  // and key_row + 8, inside the block
+  const u32 k_rows = base + L::K + consumer * 64 * 128;
+  const u32 v_rows = base + L::V + consumer * 64 * 128;
+  const int dq_row0 = DQ_SPLIT == BY_ROWS ? consumer * 64 : 0;
+  const int dq_col0 = DQ_SPLIT == BY_COLUMNS ? consumer * DQ_N : 0;
+
+  float dk[HD / 2], dv[HD / 2];
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) dk[i] = dv[i] = 0.f;
+
+  if (w.steps > 0) mbar_wait(L::kv_full(base), 0);
+  for (int i = 0; i < w.steps; ++i) {
+    const int s = i & 1;
+    const int hq = step_head(p, w, i), m0 = step_m0<BM>(w, i);
+    const u32 q_tile = base + L::Q + s * L::QD_TILE, do_tile = base + L::DO + s * L::QD_TILE;
+    const u32 ds_tile = base + L::DS + s * L::DS_TILE;
+    const ScoreMod mod = score_mod(p, w.b, hq);  // read only by the MOD specialisation
+
+    float st[BM / 2], dpt[BM / 2];
+    u32 pa[BM / 16][4], da[BM / 16][4];
+    const bool masked = m0 + BM > vis.seqlen_q || !tile_inside_band(vis, m0, BM, w.n0, BN);
+    const float* lse = lse_s + s * BM;
+    const float* delta = delta_s + s * BM;
+    mbar_wait(L::full(base, s), (i >> 1) & 1);
+    if constexpr (!MOD) {
+      wgmma_fence();
+      issue_rows_by_queries<BF16, HD, BM>(st, k_rows, q_tile);
+      issue_rows_by_queries<BF16, HD, BM>(dpt, v_rows, do_tile);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(st);
+      fence_regs(dpt);
+      grads_any<BF16, BM>(masked, st, dpt, pa, da, lse, delta, vis, p.scale_log2, w.n0 + key_row, m0, t4);
+    } else {
+      wgmma_fence();
+      issue_rows_by_queries<BF16, HD, BM>(st, k_rows, q_tile);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(st);
+      u32 dcap[BM / 4];
+      probs_modded_any<BM>(masked, st, dcap, lse, vis, mod, w.n0 + key_row, m0, t4);
+      wgmma_fence();
+      issue_rows_by_queries<BF16, HD, BM>(dpt, v_rows, do_tile);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(dpt);
+      grads_from_probs<BF16, BM>(st, dpt, dcap, pa, da, delta, t4);
+    }
+
+    wgmma_fence();
+    issue_from_registers<BF16, HD, BM>(dv, pa, do_tile);
+    issue_from_registers<BF16, HD, BM>(dk, da, q_tile);
+    wgmma_commit();
+
+    // both consumers' dS^T in shared memory (buffer s: the other consumer's dQ of step i - 2, its
+    // last reader, finished before that consumer reached this barrier at step i - 1; split by keys
+    // each consumer reads only its own rows, and the barrier only keeps the consumers in step)
+    stage_ds<BM>(da, ds_tile, key_row, t4);
+    fence_async_shared();
+    named_sync(STEP_BARRIER, 256);
+
+    float dq[DQ_N / 2];
+    wgmma_fence();
+    if constexpr (DQ_SPLIT == BY_ROWS)
+      issue_dq<BF16, DQ_N, DQ_KEYS>(dq, ds_tile + consumer * L::DS_PANEL, base + L::K);
+    else if constexpr (DQ_SPLIT == BY_COLUMNS)
+      issue_dq<BF16, DQ_N, DQ_KEYS>(dq, ds_tile, base + L::K + consumer * L::KV_PANEL);
+    else
+      issue_dq<BF16, DQ_N, DQ_KEYS>(dq, ds_tile + consumer * 64 * 128, k_rows);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(dq);
+    fence_regs(dk);
+    fence_regs(dv);
+    fence_regs(pa);
+    fence_regs(da);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(L::empty(base, s));  // this warp is done with Q, dO, lse, delta of stage s
+
+    float* dq_head = p.dq_accum + ((long long)w.b * p.heads_q + hq) * p.seqlen_q * p.dq_row;
+#pragma unroll
+    for (int c = 0; c < DQ_N / 8; ++c)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = m0 + dq_row0 + warp_in_group * 16 + g + half * 8;
+        const int col = dq_col0 + c * 8 + 2 * t4;
+        if (row < vis.seqlen_q) red_add_v2(dq_head + (long long)row * p.dq_row + col, dq[4 * c + 2 * half],
+                                           dq[4 * c + 2 * half + 1]);
+      }
+  }
+
+  // Every wgmma that reads K or V (the other consumer's dQ reads all of K) is done: the tiles
+  // become the staging buffers of dK and dV.
+  named_sync(STEP_BARRIER, 256);
+  write_rows<BF16, HD>(dk, p.scale, k_rows, warp_in_group, lane);
+  write_rows<BF16, HD>(dv, 1.f, v_rows, warp_in_group, lane);
+  fence_async_shared();
+  named_sync(STORE_BARRIER + consumer, 128);
+  if (warp_in_group == 0 && lane == 0) {
+#pragma unroll
+    for (int pn = 0; pn < HD / 64; ++pn) {
+      tma_store_4d(tdk, k_rows + pn * L::KV_PANEL, pn * 64, w.n0 + consumer * 64, w.hk, w.b);
+      tma_store_4d(tdv, v_rows + pn * L::KV_PANEL, pn * 64, w.n0 + consumer * 64, w.hk, w.b);
+    }
+    tma_store_commit();
+    tma_store_wait_read();
+  }
+}
+
+template <bool BF16, int HD, int BM, bool MOD>
+DEVI void attention_backward(const AttnParams& p, const TmaMap* tq, const TmaMap* tk, const TmaMap* tv,
+                             const TmaMap* tdo, const TmaMap* tdk, const TmaMap* tdv) {
+  using L = Layout<HD, BM>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const u32 raw = smem_u32(smem_raw);
+  const u32 base = (raw + 1023) & ~1023u;  // swizzle atoms need 1024-byte alignment
+  unsigned char* aligned = smem_raw + (base - raw);
+  float* lse_s = reinterpret_cast<float*>(aligned + L::LSE);
+  float* delta_s = reinterpret_cast<float*>(aligned + L::DELTA);
+
+  const Visibility vis = visibility(p);
+  const Work w = work_of<BM>(p, vis);
+  if (threadIdx.x == 0) {
+    mbar_init(L::kv_full(base), 1);
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(L::full(base, s), FULL_ARRIVALS);
+      mbar_init(L::empty(base, s), CONSUMER_WARPS);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 128) {
+    regs_dealloc<PRODUCER_REGS>();
+    if (threadIdx.x < 32 && w.steps > 0) produce<HD, BM>(p, w, base, lse_s, delta_s, tq, tk, tv, tdo);
+  } else {
+    regs_alloc<CONSUMER_REGS>();
+    consume<BF16, HD, BM, MOD>(p, w, vis, base, lse_s, delta_s, tdk, tdv);
+  }
+}
+
+}  // namespace sm90_bwd
+
+extern "C" __global__ void __launch_bounds__(sm90_bwd::THREADS, 1)
+    attnx_bwd_wgmma(const AttnParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
+                    const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tdo,
+                    const __grid_constant__ TmaMap tdk, const __grid_constant__ TmaMap tdv) {
+  static_assert(BLOCK_N == sm90_bwd::BN, "the kernel's roles fix 128 keys per block");
+  sm90_bwd::attention_backward<IS_BF16 != 0, HEAD_DIM, BLOCK_M, SCORE_MOD != 0>(p, &tq, &tk, &tv, &tdo, &tdk, &tdv);
+}
