@@ -40,8 +40,8 @@ def _execute(p: Problem, x, backend: Optional[str], memo_key: Optional[tuple] = 
 
 def attention(q, k, v, *, causal=False, window=None, offset=None, mask=None, scale=None, softcap=None,
               alibi_slopes=None, sinks=None, layout="bhsd", cu_seqlens_q=None, cu_seqlens_k=None,
-              max_seqlen_q=None, max_seqlen_k=None, seqlens_k=None, page_table=None, backend=None,
-              return_lse=False):
+              max_seqlen_q=None, max_seqlen_k=None, seqlens_k=None, page_table=None, deterministic=None,
+              backend=None, return_lse=False):
     """Exact scaled dot-product attention, computed by the best backend for the problem.
 
     Args:
@@ -69,6 +69,11 @@ def attention(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
         page_table: int32 ``(B, max_pages)``: a paged cache; k/v are page pools
             ``(num_pages, page_size, Hkv, D)`` and key ``j`` of sequence ``b`` is row
             ``j % page_size`` of page ``page_table[b, j // page_size]`` (needs ``seqlens_k``).
+        deterministic: whether the backward must give bitwise-identical gradients run to run.
+            None (default) follows ``torch.use_deterministic_algorithms``; True requires it (a
+            backend whose backward is not deterministic declines, saying so); False requires
+            nothing of its own and never overrides torch's switch when that is on. Calls
+            without gradients are unaffected.
         backend: name of a registered backend to force, or None to let the dispatcher choose.
         return_lse: also return ``lse``, float32 ``(B, Hq, Sq)`` (``(Hq, total_q)`` for packed q):
             log of the softmax denominator (``-inf`` for a row that sees no key). Not differentiable.
@@ -91,13 +96,13 @@ def attention(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
     if return_lse is not False and return_lse is not True:
         _check_return_lse(return_lse)
     memo_key = known = None
-    # A plain call (q, k, v and at most layout, causal, a float scale and a backend name) seen
-    # before runs the backend that ran it, if the dispatch state is unchanged (call_memo.py).
+    # A plain call (q, k, v and at most layout, causal, a float scale, deterministic and a backend
+    # name) seen before runs the backend that ran it, if the dispatch state is unchanged (call_memo.py).
     if (window is None and offset is None and mask is None and softcap is None and alibi_slopes is None
             and sinks is None and cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None
             and max_seqlen_k is None and seqlens_k is None and page_table is None
             and (backend is None or type(backend) is str) and not _is_compiling()):
-        memo_key, known = call_memo.lookup(q, k, v, layout, causal, scale)
+        memo_key, known = call_memo.lookup(q, k, v, layout, causal, scale, deterministic)
         if (type(known) is _Run and known.forced == backend and known.generation == generation()
                 and known.allowed == allowed_backends()):
             x = Inputs(q, k, v)
@@ -110,7 +115,7 @@ def attention(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
     options = dict(causal=causal, window=window, offset=offset, mask=mask, scale=scale, softcap=softcap,
                    alibi_slopes=alibi_slopes, sinks=sinks, layout=layout, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                   seqlens_k=seqlens_k, page_table=page_table)
+                   seqlens_k=seqlens_k, page_table=page_table, deterministic=deterministic)
     if torch.compiler.is_compiling():
         from .compile_ops import traced_attention
 

@@ -284,5 +284,6 @@ def declared_reasons(d, p: Problem) -> list[str]:
     if p.needs_grad and not d.supports_backward:
         reasons.append("backward (inputs require grad) not supported")
     elif p.deterministic and not d.deterministic:
-        reasons.append("backward is not deterministic, and torch.use_deterministic_algorithms(True) is on")
+        reasons.append("backward is not deterministic, and the call requires one (deterministic=True or "
+                       "torch.use_deterministic_algorithms(True))")
     return reasons

@@ -87,7 +87,7 @@ def _check_tensor(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.
 def attention_backward(q, k, v, out, lse, dout, *, causal=False, window=None, offset=None, mask=None, scale=None,
                        softcap=None, alibi_slopes=None, sinks=None, layout="bhsd", cu_seqlens_q=None,
                        cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqlens_k=None, page_table=None,
-                       backend=None):
+                       deterministic=None, backend=None):
     """Gradients of `attnx.attention` for the output gradient `dout`, from a given ``out`` and ``lse``.
 
     Runs the chosen backend's own backward kernel (the dispatcher decides as for a call that
@@ -107,6 +107,8 @@ def attention_backward(q, k, v, out, lse, dout, *, causal=False, window=None, of
         causal, window, offset, mask, scale, softcap, alibi_slopes, sinks, layout, cu_seqlens_q,
         cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqlens_k, page_table, backend: as in
         `attnx.attention`. No gradient of `mask` is computed.
+        deterministic: as in `attnx.attention`: True (or ``torch.use_deterministic_algorithms(True)``)
+            runs only a backward that gives bitwise-identical gradients run to run.
 
     Returns:
         ``(dq, dk, dv)`` in the shapes, dtype and layout of q, k, v; ``(dq, dk, dv, dsinks)``
@@ -128,7 +130,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal=False, window=None, of
     options = dict(causal=causal, window=window, offset=offset, mask=mask, scale=scale, softcap=softcap,
                    alibi_slopes=alibi_slopes, sinks=sinks, layout=layout, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                   seqlens_k=seqlens_k, page_table=page_table)
+                   seqlens_k=seqlens_k, page_table=page_table, deterministic=deterministic)
     wanted = ("q", "k", "v") + (("sinks",) if sinks is not None else ())
     p, x = make_call(q, k, v, grad_inputs=wanted, **options)
     shape = _out_shape(p, q)

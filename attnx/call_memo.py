@@ -1,11 +1,12 @@
 """Problems of plain dense calls already validated: `make_call`'s fast path for repeated calls.
 
-A plain call gives q, k and v (plain ``torch.Tensor``s) and at most ``layout``, ``causal`` and a
-float ``scale``: no mask, window, offset, softcap, ALiBi, sinks or index tensors. Everything
-`make_call` checks for such a call, and every field of its `Problem`, is a function of the key
-below (shapes, dtypes, devices, the three options, and the gradient state autograd and
-``torch.use_deterministic_algorithms`` decide), so a key seen before maps to the same `Problem`
-without validating again. Only calls that passed validation are remembered: a bad call never
+A plain call gives q, k and v (plain ``torch.Tensor``s) and at most ``layout``, ``causal``, a
+float ``scale`` and ``deterministic`` (a bool or None): no mask, window, offset, softcap, ALiBi,
+sinks or index tensors. Everything `make_call` checks for such a call, and every field of its
+`Problem`, is a function of the key below (shapes, dtypes, devices, the options, and the
+gradient state autograd decides, with whether the backward must be deterministic: the call's
+``deterministic=True`` or ``torch.use_deterministic_algorithms``), so a key seen before maps to
+the same `Problem` without validating again. Only calls that passed validation are remembered: a bad call never
 matches one (its key differs in the shape, dtype, device or option that makes it bad).
 
 From a key's second call on, `attnx.attention` replaces its `Problem` by a `Run`: the Problem,
@@ -44,7 +45,7 @@ class Run(NamedTuple):
 _NOT_PLAIN = (None, None)
 
 
-def lookup(q, k, v, layout, causal, scale) -> tuple:
+def lookup(q, k, v, layout, causal, scale, deterministic=None) -> tuple:
     """``(key, entry)`` of a call whose other arguments are all None, or ``(None, None)`` when it is
     not plain: its memo key and what is remembered for it (its `Problem`, a `Run` the caller
     checks, or None). One frame for both: `attnx.attention` runs this on every plain call."""
@@ -56,9 +57,13 @@ def lookup(q, k, v, layout, causal, scale) -> tuple:
         return _NOT_PLAIN
     if type(layout) is not str:
         return _NOT_PLAIN
+    if deterministic is not None and deterministic is not True and deterministic is not False:
+        return _NOT_PLAIN  # (the full path raises its typed error)
     grads = None
     if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        grads = (q.requires_grad, k.requires_grad, v.requires_grad, torch.are_deterministic_algorithms_enabled())
+        # what `make_call` makes of `deterministic`: False and None leave torch's switch in charge
+        grads = (q.requires_grad, k.requires_grad, v.requires_grad,
+                 deterministic is True or torch.are_deterministic_algorithms_enabled())
     key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, layout, causal,
            scale, grads)
     return key, _memo.get(key)

@@ -19,7 +19,7 @@ from .problem import grad_names, make_call
 # The non-tensor options of a call as the ops carry them: (name, schema type).
 SCALARS = (("causal", "bool"), ("window_left", "int?"), ("window_right", "int?"), ("offset", "int?"),
            ("scale", "float?"), ("softcap", "float?"), ("layout", "str"), ("max_seqlen_q", "int?"),
-           ("max_seqlen_k", "int?"), ("backend", "str"), ("grads", "bool[]"))
+           ("max_seqlen_k", "int?"), ("deterministic", "bool?"), ("backend", "str"), ("grads", "bool[]"))
 _TENSORS = Inputs.field_names()
 _REQUIRED = ("q", "k", "v")
 _GRAD_NAMES = tuple(n for n in _TENSORS if n in Inputs.DIFFERENTIABLE)
@@ -46,7 +46,7 @@ def _call(tensors, scalars) -> tuple:
     q, k, v = options.pop("q"), options.pop("k"), options.pop("v")
     p, x = make_call(q, k, v, causal=s["causal"], window=(s["window_left"], s["window_right"]), offset=s["offset"],
                      scale=s["scale"], softcap=s["softcap"], layout=s["layout"], max_seqlen_q=s["max_seqlen_q"],
-                     max_seqlen_k=s["max_seqlen_k"],
+                     max_seqlen_k=s["max_seqlen_k"], deterministic=s["deterministic"],
                      grad_inputs=[name for name, wanted in zip(_GRAD_NAMES, s["grads"]) if wanted], **options)
     return p, x, s["backend"] or None
 

@@ -70,8 +70,8 @@ class Problem(NamedTuple):
     softcap: Optional[float]
     scale: float
     needs_grad: bool
-    # torch.use_deterministic_algorithms(True) while gradients are needed: the backward
-    # must give bitwise-identical results run to run (no floating-point atomics)
+    # deterministic=True or torch.use_deterministic_algorithms(True) while gradients are needed:
+    # the backward must give bitwise-identical results run to run (no floating-point atomics)
     deterministic: bool
     q_format: str
     kv_format: str
@@ -435,7 +435,7 @@ _COMPUTE = object()  # make_call's default: compute the memo key here
 
 def make_call(q, k, v, *, causal=False, window=None, offset=None, mask=None, scale=None, softcap=None,
               alibi_slopes=None, sinks=None, layout="bhsd", cu_seqlens_q=None, cu_seqlens_k=None,
-              max_seqlen_q=None, max_seqlen_k=None, seqlens_k=None, page_table=None,
+              max_seqlen_q=None, max_seqlen_k=None, seqlens_k=None, page_table=None, deterministic=None,
               grad_inputs=None, memo_key=_COMPUTE) -> tuple[Problem, Inputs]:
     """Validate the arguments of `attnx.attention`; return its `Problem` and `Inputs`.
 
@@ -449,11 +449,13 @@ def make_call(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
         if (mask is None and window is None and offset is None and softcap is None and alibi_slopes is None
                 and sinks is None and cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None
                 and max_seqlen_k is None and seqlens_k is None and page_table is None and grad_inputs is None):
-            memo_key, known = call_memo.lookup(q, k, v, layout, causal, scale)
+            memo_key, known = call_memo.lookup(q, k, v, layout, causal, scale, deterministic)
             if known is not None:  # a plain call validated before (see call_memo.py)
                 return call_memo.problem_of(known), Inputs(q, k, v)
     if layout not in LAYOUTS:
         raise InvalidArgumentError(f"`layout` must be 'bhsd' or 'bshd', got {layout!r}")
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise InvalidTypeError(f"`deterministic` must be True, False or None, got {deterministic!r}")
     x = Inputs(q, k, v, mask, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqlens_k, page_table)
     q_format, kv_format = _formats(x)
     sizes = _sizes(x, layout, q_format, kv_format, max_seqlen_q, max_seqlen_k)
@@ -479,7 +481,8 @@ def make_call(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
         head_dim_v=sizes.head_dim_v, page_size=sizes.page_size, layout=layout, causal=causal,
         window=window, offset=offset, mask_kind=mask_kind, mask_shape=mask_shape, mask_requires_grad=mask_grad,
         alibi=alibi_slopes is not None, sinks=sinks is not None, softcap=softcap, scale=scale,
-        needs_grad=bool(wanted), q_format=q_format, kv_format=kv_format)
+        needs_grad=bool(wanted), q_format=q_format, kv_format=kv_format,
+        deterministic=deterministic or None)  # False asks for nothing: torch's global switch still holds
     if not p.is_dense and index_checks.validating():  # a debugging mode: reads the values (a host sync)
         index_checks.read_indices(p, x, check_longest=True)
     if memo_key is not None:

@@ -1,13 +1,9 @@
-"""Checks shared by the compatibility entry points: dropout, and a deterministic backward on request."""
+"""Checks shared by the compatibility entry points: dropout."""
 from __future__ import annotations
 
-import contextlib
 import math
 
-from .. import registry
-from ..errors import InvalidTypeError, NoBackendError
-from ..problem import make_problem
-from ..selection import allowed_backends, use_backend
+from ..errors import InvalidTypeError
 from .errors import CompatArgumentError
 
 
@@ -19,24 +15,3 @@ def check_no_dropout(dropout_p, api: str) -> None:
         raise CompatArgumentError(
             f"{api}: dropout_p={dropout_p} is not supported: attnx computes exact attention without dropout. "
             "Pass dropout_p=0.0 (e.g. model.eval(), or an attention-dropout probability of 0 for training).")
-
-
-def deterministic_backends(q, k, v, **options):
-    """A context that restricts dispatch to backends whose backward is deterministic for this call.
-
-    flash-attn's ``deterministic=True``. The backends allowed already (`attnx.use_backend`,
-    ATTNX_BACKEND) are narrowed to those that accept the problem with a deterministic
-    backward; without gradients to compute any backend will do.
-    """
-    p = make_problem(q, k, v, **options)
-    if not p.needs_grad or p.is_empty:
-        return contextlib.nullcontext()
-    strict = p._replace(deterministic=True)
-    allowed = allowed_backends()
-    backends = {n: b for n, b in registry.registered_backends().items() if allowed is None or n in allowed}
-    reasons = {n: b.reasons(strict) for n, b in backends.items()}
-    names = [n for n, why in reasons.items() if not why]
-    if not names:
-        raise NoBackendError("deterministic=True: no allowed backend has a deterministic backward for this problem",
-                             reasons)
-    return use_backend(names)

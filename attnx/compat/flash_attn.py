@@ -8,13 +8,10 @@ but `flash_attn_with_kvcache` (as in flash-attn, which has no backward for it).
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from ..api import attention
 from ..errors import InvalidArgumentError, InvalidTypeError
-from .common import deterministic_backends
 from .flash_attn_args import options
 from .kvcache import flash_attn_with_kvcache
 
@@ -25,9 +22,8 @@ __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_
 def _run(api: str, q, k, v, opts: dict, deterministic, return_attn_probs):
     if not isinstance(deterministic, bool) or not isinstance(return_attn_probs, bool):
         raise InvalidTypeError(f"{api}: `deterministic` and `return_attn_probs` must be bools")
-    scope = deterministic_backends(q, k, v, **opts) if deterministic else contextlib.nullcontext()
-    with scope:
-        out, lse = attention(q, k, v, **opts, return_lse=True)
+    # flash-attn's default False is attnx's "no request of its own": torch's global switch still holds
+    out, lse = attention(q, k, v, **opts, deterministic=deterministic, return_lse=True)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -59,7 +55,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     ``causal`` and ``window_size`` are aligned bottom-right (query ``i`` sits at key position
     ``i + seqlen_k - seqlen_q``); ``window_size=(-1, -1)`` is no window, ``softcap=0.0`` no
     softcap, ``alibi_slopes`` float32 ``(nheads,)`` or ``(batch, nheads)``. ``dropout_p`` must be 0;
-    ``deterministic=True`` restricts dispatch to backends with a deterministic backward.
+    ``deterministic=True`` runs only a backward that gives bitwise-identical gradients run to run
+    (as ``attnx.attention(..., deterministic=True)``; False, the default, still honours
+    ``torch.use_deterministic_algorithms(True)``).
 
     Returns ``out`` ``(batch, seqlen_q, nheads, d)``, or ``(out, softmax_lse, None)`` with
     ``return_attn_probs=True`` (lse float32 ``(batch, nheads, seqlen_q)``).
