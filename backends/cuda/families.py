@@ -31,9 +31,11 @@ class Family(NamedTuple):
 
 AMPERE = Family(name="sm80", min_capability=(8, 0), max_capability=(8, 9),
                 sources={"fwd": "sm80/fa_fwd.cu", "bwd": "sm80/fa_bwd.cu"}, priority=0)
-# Hopper: a warp-specialised wgmma/TMA forward; the backward is still the Ampere kernel (built for sm_90a)
+# Hopper: a warp-specialised wgmma/TMA forward; the backward is still the Ampere kernel (built for sm_90a).
+# "bwd_wgmma" is the Hopper backward, reached only through launch_sm90_bwd until a GPU has checked it.
 HOPPER = Family(name="sm90", min_capability=(9, 0), max_capability=(9, 0),
-                sources={"fwd": "sm90/fa_fwd.cu", "bwd": "sm80/fa_bwd.cu"}, priority=1, tensor_maps=True)
+                sources={"fwd": "sm90/fa_fwd.cu", "bwd": "sm80/fa_bwd.cu", "bwd_wgmma": "sm90/fa_bwd.cu"},
+                priority=1, tensor_maps=True)
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (AMPERE, HOPPER)}
 

@@ -5,8 +5,10 @@ with a set of -D defines: dtype, head-dim tile, block sizes, warps and feature f
 The Ampere family's tiles follow FlashAttention-2's Ampere choices, with a fallback for
 GPUs whose shared memory per block is ~99 KB (sm_86, sm_89). The Hopper forward runs
 128 query rows per block on three warpgroups (a TMA producer, two wgmma consumers) with
-head-dim tiles that are whole 64-column swizzle panels. `all_variants()` is what the CI
-compile test builds; the launcher only ever asks for members of that set.
+head-dim tiles that are whole 64-column swizzle panels. The Hopper backward (`bwd_wgmma`, not yet
+dispatched: `launch_sm90_bwd`) runs 128 keys per block on the same three warpgroup roles.
+`all_variants()` is what the CI compile test builds; the launcher only ever asks for members of
+that set.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ class Variant(NamedTuple):
     """One compile of one kernel file."""
 
     family: str        # a key of families.FAMILIES
-    kernel: str        # "fwd" or "bwd"
+    kernel: str        # "fwd", "bwd" or "bwd_wgmma" (the Hopper backward)
     bf16: bool
     head_dim: int      # padded tile
     block_m: int       # fwd: queries per block; bwd: queries per step
@@ -48,6 +50,10 @@ class Variant(NamedTuple):
         return FAMILIES[self.family].tensor_maps and self.kernel == "fwd"
 
     @property
+    def hopper_backward(self) -> bool:
+        return self.kernel == "bwd_wgmma"
+
+    @property
     def source(self) -> str:
         """The file under kernels/ this specialisation compiles."""
         return FAMILIES[self.family].source(self.kernel)
@@ -59,7 +65,10 @@ class Variant(NamedTuple):
     def defines(self) -> tuple[str, ...]:
         d = {"IS_BF16": int(self.bf16), "HEAD_DIM": self.head_dim, "BLOCK_M": self.block_m,
              "BLOCK_N": self.block_n, "NUM_WARPS": self.warps, "SCORE_MOD": int(self.score_mod)}
-        if self.kernel == "bwd":
+        if self.hopper_backward:
+            del d["NUM_WARPS"]  # fixed by the kernel's warpgroup roles
+            d["SHARED_BYTES"] = self.shared_bytes()  # the kernel asserts its layout needs exactly this
+        elif self.kernel == "bwd":
             d.update(DO_DV=int(self.do_dv), DO_DK=int(self.do_dk))
         else:
             d.update(KV_STAGES=self.stages)
@@ -69,6 +78,11 @@ class Variant(NamedTuple):
         return tuple(f"-D{k}={v}" for k, v in d.items())
 
     def shared_bytes(self) -> int:
+        if self.hopper_backward:
+            # K, V; 2 stages of Q, dO; 2 dS^T buffers; 2 stages of lse, delta; 5 mbarriers; 1 KB to align
+            panels, bm, bn = self.head_dim // 64, self.block_m, self.block_n
+            return (2 * panels * bn * 128 + 4 * panels * bm * 128 + 2 * (bm // 64) * bn * 128 + 16 * bm + 8 * 5
+                    + 1024)
         if self.hopper_forward:
             # Q panels, STAGES x (K, V) panels, mbarriers, and 1 KB to align the swizzle atoms
             panels = self.head_dim // 64
@@ -84,6 +98,7 @@ class Variant(NamedTuple):
         flags = ("bf16" if self.bf16 else "fp16") + ("+mod" if self.score_mod else "")
         if self.kernel == "bwd" and not (self.do_dv and self.do_dk):
             flags += "+dv" if self.do_dv else "+dk"
+        flags += " wgmma" if self.hopper_backward else ""
         stages = f" s{self.stages}" if self.kernel == "fwd" else ""
         stages += ("+overlap" if self.overlap else "") + ("+pingpong" if self.pingpong else "")
         tile = f"d{self.head_dim} {self.block_m}x{self.block_n} w{self.warps}{stages}"
@@ -124,9 +139,15 @@ FORWARD_TILES = {
         256: (_A(128, 64, 12, 2, overlap=True),),                  # 1.03 / 1.07
     },
 }
-# head-dim tiles of each family's kernels (the backward of both is the Ampere kernel)
+# Hopper backward: head-dim tile -> (queries per step without, with a score mod); 128 keys per block.
+# d64 steps over 128 queries (each consumer then adds 64 rows of dQ); its score-mod path keeps the
+# softcap derivative beside S^T and dP^T and only fits 240 registers with 64 (dQ then split by keys).
+HOPPER_BACKWARD_TILES = {64: (128, 64), 128: (64, 64)}
+HOPPER_BACKWARD_KEYS = 128
+# head-dim tiles of each family's kernels (the dispatched backward of both is the Ampere kernel)
 TILE_SETS = {("sm80", "fwd"): HEAD_DIM_TILES, ("sm80", "bwd"): HEAD_DIM_TILES,
-             ("sm90", "fwd"): PANEL_TILES, ("sm90", "bwd"): HEAD_DIM_TILES}
+             ("sm90", "fwd"): PANEL_TILES, ("sm90", "bwd"): HEAD_DIM_TILES,
+             ("sm90", "bwd_wgmma"): tuple(HOPPER_BACKWARD_TILES)}
 # (block_m = queries per step, block_n = keys per block = 16 * warps, warps)
 BACKWARD_TILES = {
     32: ((64, 128, 8), (64, 64, 4)),
@@ -172,6 +193,16 @@ def backward_variants(family: Family, bf16: bool, tile: int, score_mod: bool,
     return None
 
 
+def hopper_backward_variant(family: Family, bf16: bool, tile: int, score_mod: bool,
+                            max_shared: int) -> Variant | None:
+    """The Hopper backward's specialisation for a head-dim tile, or None (no such tile, or it does not fit)."""
+    if "bwd_wgmma" not in family.sources or tile not in HOPPER_BACKWARD_TILES:
+        return None
+    block_m = HOPPER_BACKWARD_TILES[tile][int(score_mod)]
+    v = Variant(family.name, "bwd_wgmma", bf16, tile, block_m, HOPPER_BACKWARD_KEYS, 12, score_mod)
+    return v if v.shared_bytes() <= max_shared else None
+
+
 # opt-in shared memory per block (bytes) by compute capability; others get the small figure
 SHARED_PER_BLOCK = {(8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376, (9, 0): 232448,
                     (10, 0): 232448, (10, 3): 232448, (12, 0): 101376}
@@ -193,6 +224,9 @@ def requestable(family: Family, capability) -> list[Variant]:
                 found += [fwd] if fwd else []
             for tile in TILE_SETS[(family.name, "bwd")]:
                 found += list(backward_variants(family, bf16, tile, mod, shared) or ())
+            for tile in TILE_SETS.get((family.name, "bwd_wgmma"), ()):
+                bwd = hopper_backward_variant(family, bf16, tile, mod, shared)
+                found += [bwd] if bwd else []
     return found
 
 

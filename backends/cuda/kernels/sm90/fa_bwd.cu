@@ -24,8 +24,8 @@
 // Rows and columns outside the tensors arrive from TMA as zeros; padded query rows get lse = +inf
 // (P = 0), padded keys are masked (key_visible checks Sk).
 //
-// Compile-time knobs (NVRTC -D): IS_BF16, HEAD_DIM (tile: 64 with BLOCK_M 128, 128 with BLOCK_M
-// 64), BLOCK_M (queries per step), BLOCK_N (keys per block, 128), SCORE_MOD.
+// Compile-time knobs (NVRTC -D): IS_BF16, HEAD_DIM (tile: 64 or 128), BLOCK_M (queries per step:
+// 64 or 128), BLOCK_N (keys per block, 128), SCORE_MOD, SHARED_BYTES (what the launcher reserves).
 // NOT YET RUN ON A GPU (written and compiled offline, 2026-12-01): see backends/cuda/NOTES.md.
 #include "common/mask.cuh"
 #include "common/score_mod.cuh"
@@ -473,5 +473,7 @@ extern "C" __global__ void __launch_bounds__(sm90_bwd::THREADS, 1)
                     const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tdo,
                     const __grid_constant__ TmaMap tdk, const __grid_constant__ TmaMap tdv) {
   static_assert(BLOCK_N == sm90_bwd::BN, "the kernel's roles fix 128 keys per block");
+  static_assert(sm90_bwd::Layout<HEAD_DIM, BLOCK_M>::BYTES + 1024 == SHARED_BYTES,
+                "variants.py's shared_bytes() disagrees with the kernel's layout");
   sm90_bwd::attention_backward<IS_BF16 != 0, HEAD_DIM, BLOCK_M, SCORE_MOD != 0>(p, &tq, &tk, &tv, &tdo, &tdk, &tdv);
 }

@@ -1,0 +1,79 @@
+"""Launcher of the Hopper family's backward (kernels/sm90/fa_bwd.cu): not dispatched yet.
+
+The dispatcher still runs the Ampere backward on sm_90 (`families.HOPPER.sources["bwd"]`); this
+kernel is reached only through `backward` here (benchmarks/hopper_backward.py) until a GPU has
+checked and timed it (backends/cuda/NOTES.md, "Hopper backward"). Like the Hopper forward it reads
+q, k, v and dout through TMA tensor maps (both layouts in place, GQA heads by coordinate, zero fill
+past the sequence ends and head dims) and writes dk, dv with clipped TMA stores; dq is added in
+float32 to `dq_accum` and converted once here, as in the Ampere launcher. delta and the sinks'
+gradient are the same torch ops as there.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attnx.errors import InvalidArgumentError
+from attnx.inputs import Grads, Inputs, sinks_grad
+from attnx.limits import lse_log2
+
+from .compile import get_kernel
+from .families import family_for, nvrtc_arch
+from .launch import _check_grid, _common, _device_index, _launch, _vector, kernel_operand, round8, score_mod
+from .params import pack_params
+from .tensor_maps import tensor_map
+from .variants import Variant, head_dim_tile, hopper_backward_variant, max_shared
+
+STORE_ROWS = 64  # each consumer warpgroup stores its 64 keys of dk and dv
+
+
+def backward_variant_for(p) -> Variant | None:
+    """The Hopper backward's specialisation for problem `p`, or None where it has no tile (head dims > 128)."""
+    family = family_for(p.capability)
+    if family is None:
+        return None
+    tile = head_dim_tile(round8(p.head_dim), round8(p.head_dim_v), family, "bwd_wgmma")
+    if tile is None:
+        return None
+    return hopper_backward_variant(family, p.dtype == torch.bfloat16, tile, score_mod(p), max_shared(p.capability))
+
+
+def backward(p, x: Inputs, out, lse, dout, variant: Variant | None = None, *, poison: bool = False) -> Grads:
+    """dq, dk, dv (and dsinks) of one attention call on the Hopper backward.
+
+    `out` and `lse` are the forward's (lse natural-log, including the sinks); `variant` overrides
+    the tile table (benchmarks); `poison` fills dk and dv with NaN before the launch, so an element
+    the kernel fails to write shows up in a check.
+    """
+    variant = variant or backward_variant_for(p)
+    if variant is None:
+        raise InvalidArgumentError(f"the Hopper backward has no tile for head dims {p.head_dim}/{p.head_dim_v} "
+                                   f"on {p.arch} (it covers up to 128)")
+    device_index = _device_index(x.q)
+    d, dvw = round8(p.head_dim), round8(p.head_dim_v)
+    delta = (dout.float() * out.float()).sum(-1).contiguous()  # rowsum(dout * out), (B, Hq, Sq)
+    lse2 = lse_log2(lse)
+    q, k, v, dout_k = kernel_operand(x.q, d), kernel_operand(x.k, d), kernel_operand(x.v, dvw), \
+        kernel_operand(dout, dvw)
+    x = x.replace(alibi_slopes=_vector(x.alibi_slopes))
+    # dq_accum rows are whole head-dim tiles: the kernel adds every column of its tile
+    dq_accum = torch.zeros(p.batch, p.heads_q, p.seqlen_q, variant.head_dim, device=q.device, dtype=torch.float32)
+    dk = q.new_empty(p.batch, p.heads_kv, p.seqlen_k, d)
+    dv = q.new_empty(p.batch, p.heads_kv, p.seqlen_k, dvw)
+    if poison:
+        dk.fill_(float("nan"))
+        dv.fill_(float("nan"))
+    blocks_per_head = math.ceil(p.seqlen_k / variant.block_n)
+    grid = p.batch * p.heads_kv * blocks_per_head
+    _check_grid(grid)
+    args = pack_params(lse=lse2.data_ptr(), delta=delta.data_ptr(), dq_accum=dq_accum.data_ptr(),
+                       num_blocks=blocks_per_head, dq_row=variant.head_dim, **_common(p, x.replace(sinks=None)))
+    maps = (tensor_map(q, variant.block_m), tensor_map(k, variant.block_n), tensor_map(v, variant.block_n),
+            tensor_map(dout_k, variant.block_m), tensor_map(dk, STORE_ROWS), tensor_map(dv, STORE_ROWS))
+    if grid > 0:
+        kernel = get_kernel(variant, nvrtc_arch(p.capability), device_index)
+        _launch(kernel, grid, variant.threads, variant.shared_bytes(), (args, *maps), device_index)
+    dq = (dq_accum[..., : p.head_dim] * p.scale).to(p.dtype)
+    dsinks = sinks_grad(x.sinks, lse, delta) if x.sinks is not None else None
+    return Grads(dq, dk[..., : p.head_dim], dv[..., : p.head_dim_v], None, dsinks)
