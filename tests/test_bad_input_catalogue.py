@@ -218,6 +218,7 @@ ROWS = [
     Row(A, "scale", "NaN or infinite", Arg, ref="scale-nan"),
     Row(A, "causal", "not a bool", Type, ref="causal-int"),
     Row(A, "return_lse", "not a bool", Type, ref="return-lse-str"),
+    Row(A, "deterministic", "not a bool or None", Type, ref="deterministic-str"),
     Row(A, "backend", "unknown name", Arg, ref="backend-unknown"),
     Row(A, "backend", "not a str", Type, ref="backend-not-str"),
     Row(A, "backend", "a list (unhashable)", Type, lambda: attnx.attention(*dense(), backend=["naive"]), words="backend"),

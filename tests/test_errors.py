@@ -87,6 +87,8 @@ BAD = [
     ("causal-int", _with(causal=1), TypeError, "`causal`"),
     ("return-lse-str", _with(return_lse="yes"), TypeError, "`return_lse`"),
     ("return-lse-none", _with(return_lse=None), TypeError, "`return_lse`"),
+    ("deterministic-str", _with(deterministic="yes"), TypeError, "`deterministic`"),
+    ("deterministic-int", _with(deterministic=1), TypeError, "`deterministic`"),
     ("sinks-float16", _with(sinks=torch.zeros(HQ, dtype=torch.float16)), TypeError, "`sinks`"),
     ("sinks-kv-heads", _with(sinks=torch.zeros(HKV)), ValueError, "`sinks`"),
     ("sinks-list", _with(sinks=[0.0] * HQ), TypeError, "`sinks`"),
