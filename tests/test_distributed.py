@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
-import traceback
 
 import pytest
 import torch
@@ -20,7 +18,7 @@ import attnx
 from attnx.distributed import (ALLGATHER_MAX_BYTES, choose_exchange, gather, ring_attention, shard,
                                shard_positions, unshard)
 
-from distributed_harness import init_gloo, run_ranks
+from distributed_harness import run_cases, run_ranks
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 SPAWN_TIMEOUT_S = 100
@@ -184,27 +182,13 @@ def _check_errors(rank: int, world: int) -> None:
 
 
 def _worker(rank: int, world: int, outdir: str) -> None:
-    import torch.distributed as dist
+    def check(name: str) -> None:
+        if name == "errors":
+            _check_errors(rank, world)
+        else:
+            _check_case(CASES[name], rank, world)
 
-    torch.set_num_threads(1)
-    init_gloo(rank, world, outdir)
-    found = {}
-    try:
-        for name in list(CASES) + ["errors"]:
-            start = time.perf_counter()
-            try:
-                if name == "errors":
-                    _check_errors(rank, world)
-                else:
-                    _check_case(CASES[name], rank, world)
-                found[name] = {"ok": True, "s": time.perf_counter() - start}
-            except Exception:  # noqa: BLE001 - reported to the test
-                found[name] = {"ok": False, "error": traceback.format_exc()}
-            dist.barrier()
-    finally:
-        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-            json.dump(found, f)
-        dist.destroy_process_group()
+    run_cases(rank, world, outdir, list(CASES) + ["errors"], check)
 
 
 

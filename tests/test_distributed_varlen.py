@@ -8,11 +8,6 @@ the ranks) within float32 tolerance.
 """
 from __future__ import annotations
 
-import json
-import os
-import time
-import traceback
-
 import pytest
 import torch
 
@@ -22,7 +17,7 @@ from attnx.distributed import (gather_varlen, ring_attention, shard_positions_va
 from attnx.distributed.varlen_calls import VarlenSpec, plan_block
 from attnx.distributed.varlen_sharding import VarlenLayout
 
-from distributed_harness import init_gloo, run_ranks
+from distributed_harness import run_cases, run_ranks
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 SPAWN_TIMEOUT_S = 100
@@ -169,25 +164,13 @@ def _check_errors(rank: int, world: int) -> None:
 def _worker(rank: int, world: int, outdir: str) -> None:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    init_gloo(rank, world, outdir)
-    found = {}
-    try:
-        for name in list(CASES) + ["errors"]:
-            start = time.perf_counter()
-            try:
-                if name == "errors":
-                    _check_errors(rank, world)
-                else:
-                    _compare(CASES[name], rank, world, dist)
-                found[name] = {"ok": True, "s": time.perf_counter() - start}
-            except Exception:  # noqa: BLE001 - reported to the test
-                found[name] = {"ok": False, "error": traceback.format_exc()}
-            dist.barrier()
-    finally:
-        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-            json.dump(found, f)
-        dist.destroy_process_group()
+    def check(name: str) -> None:
+        if name == "errors":
+            _check_errors(rank, world)
+        else:
+            _compare(CASES[name], rank, world, dist)
+
+    run_cases(rank, world, outdir, list(CASES) + ["errors"], check)
 
 
 
