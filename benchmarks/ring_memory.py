@@ -2,7 +2,7 @@
 
     python -m benchmarks.ring_memory --out benchmarks/results/cpu-2026-12-01
 
-Each P runs as P spawned processes (gloo on 127.0.0.1). Every rank builds its own shards of
+Each P runs as P spawned processes (gloo, a file rendezvous). Every rank builds its own shards of
 q, k, v and dout (``S / P`` rows each), then measures one ``ring_attention`` forward + backward
 the way benchmarks/memory.py measures a call on the CPU: torch's CPU allocations are invisible
 to tracemalloc, so the rank resets the kernel's high-water mark (``/proc/self/clear_refs``)
@@ -19,7 +19,7 @@ import datetime
 import json
 import os
 import platform
-import socket
+import sys
 import time
 from pathlib import Path
 
@@ -52,14 +52,14 @@ def _measure(call) -> tuple[int, float]:
     return max(0, _status("VmHWM:") - before), seconds
 
 
-def _worker(rank: int, world: int, port: int, cfg: dict, outdir: str) -> None:
+def _worker(rank: int, world: int, rendezvous: str, cfg: dict, outdir: str) -> None:
     import torch.distributed as dist
 
     import attnx
     from attnx.distributed import ring_attention
 
     torch.set_num_threads(cfg["threads"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     batch, dim, seq = cfg["batch"], cfg["head_dim"], cfg["seqlen"]
     heads, heads_kv = cfg["heads"]
@@ -97,12 +97,11 @@ def _worker(rank: int, world: int, port: int, cfg: dict, outdir: str) -> None:
     with open(os.path.join(outdir, f"h{heads}x{heads_kv}_p{world}_rank{rank}.json"), "w") as f:
         json.dump(found, f)
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    # no interpreter finalisation: torch 2.13's gloo shutdown at exit aborted a worker about once
+    # in 25 runs (SIGABRT) after a clean destroy_process_group; the results are written by now
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run(cfg: dict, outdir: Path) -> dict:
@@ -115,7 +114,9 @@ def run(cfg: dict, outdir: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for heads, heads_kv in cfg["problems"]:
             for world in cfg["worlds"]:
-                mp.start_processes(_worker, args=(world, _free_port(), dict(cfg, heads=(heads, heads_kv)), tmp),
+                # a file rendezvous per run: no TCP port that another process could take meanwhile
+                rendezvous = os.path.join(tmp, f"rendezvous_h{heads}x{heads_kv}_p{world}")
+                mp.start_processes(_worker, args=(world, rendezvous, dict(cfg, heads=(heads, heads_kv)), tmp),
                                    nprocs=world, start_method="spawn")
                 for rank in range(world):
                     rows.append(json.loads(Path(tmp, f"h{heads}x{heads_kv}_p{world}_rank{rank}.json").read_text()))
