@@ -280,7 +280,8 @@ def _max_length(name: str, given, cu: torch.Tensor) -> int:
         if given < 0:
             raise InvalidArgumentError(f"`{name}` must be >= 0, got {given}")
         return given
-    return int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0  # one host sync
+    # one host sync; at least 0 whatever the offsets hold (falling ones are refused where values are read)
+    return max(int(cu.long().diff().max().item()), 0) if cu.numel() > 1 else 0
 
 
 def _unused_length(name: str, given, needs: str) -> None:
