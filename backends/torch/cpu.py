@@ -13,6 +13,8 @@ Where the contract and the kernel differ, this module adjusts:
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from attnx.autograd import alloc_out
@@ -36,11 +38,20 @@ def _operands(x: Inputs):
 # The op's own Python binding: a few µs less per call than going through torch.ops' packet
 # (torch.ops where a build lacks the binding; `environment_reasons` checks the op exists).
 _FLASH_CPU = getattr(torch, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLOAT64 = torch.float64
+
+
+def _flash_cpu():
+    return _FLASH_CPU or torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+# The kernel's own default scale per head dim D, ``1 / sqrt(D)`` in double: the value `Problem`
+# resolves for ``scale=None`` (a table: one index instead of a square root on every call).
+_DEFAULT_SCALES = (None,) + tuple(1.0 / math.sqrt(d) for d in range(1, 1025))
 
 
 def _kernel_forward(p: Problem, q, k, v, km: KernelMask):
-    op = _FLASH_CPU or torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    return op(q, k, v, 0.0, km.is_causal, attn_mask=km.mask, scale=p.scale)
+    return _flash_cpu()(q, k, v, 0.0, km.is_causal, attn_mask=km.mask, scale=p.scale)
 
 
 def _in_caller_layout(p: Problem, out: torch.Tensor) -> bool:
@@ -52,19 +63,36 @@ def _in_caller_layout(p: Problem, out: torch.Tensor) -> bool:
     return (out.transpose(1, 2) if p.layout == "bshd" else out).is_contiguous()
 
 
+def _caller_out(p: Problem, x: Inputs, out_k: torch.Tensor) -> torch.Tensor:
+    if _in_caller_layout(p, out_k):
+        return out_k
+    out = alloc_out(p, x.q)
+    out.copy_(out_k)
+    return out
+
+
 def forward(p: Problem, x: Inputs):
     q, k, v = x.q, x.k, x.v
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:  # inline: this runs on every call
+    # Every line here runs on every call, right after the previous kernel left the caches cold, where each
+    # torch binding call costs µs (benchmarks/results/cpu-2026-12-01-overhead4): `stride()` over `stride(-1)`.
+    if q.stride()[-1] != 1 or k.stride()[-1] != 1 or v.stride()[-1] != 1:
         q, k, v = _operands(x)
+    if x.mask is None and p.window_left is None and p.window_right is None:
+        # full attention (the common call): no mask to build, every row sees a key, no -inf that
+        # could hide a NaN. Positional arguments only: the binding's keyword parsing costs ~5 µs there.
+        if p.head_dim < 1025 and p.scale == _DEFAULT_SCALES[p.head_dim]:
+            out_k, lse = _flash_cpu()(q, k, v)
+        else:
+            out_k, lse = _flash_cpu()(q, k, v, 0.0, False, scale=p.scale)
+        lse = lse.float() if p.dtype is _FLOAT64 else lse  # the contract's lse is float32
+        if p.layout == "bhsd" and out_k.is_contiguous():  # `_caller_out`, inline
+            return out_k, lse
+        return _caller_out(p, x, out_k), lse
     km = kernel_mask(p, x.mask, q)
     out_k, lse_k = _kernel_forward(p, q, k, v, km)
-    if _in_caller_layout(p, out_k):
-        out = out_k
-    else:
-        out = alloc_out(p, x.q)
-        out.copy_(out_k)
+    out = _caller_out(p, x, out_k)
     # the kernel's own buffer (float64 inputs: a float32 copy), written below; `.to` costs ~10 µs even as a no-op
-    lse = lse_k if lse_k.dtype == torch.float32 else lse_k.float()
+    lse = lse_k.float() if p.dtype is _FLOAT64 else lse_k
     dead = None if km.mask is None else dead_rows(km, p.seqlen_q)  # top-left is_causal hides no whole row
     if dead is not None:
         # the kernel's lse is 0 there (out is already 0); a NaN row stays NaN
