@@ -178,6 +178,7 @@ def check(head_dims, grads_of, device, max_scores=None) -> bool:
         name, b, hq, hkv, sq, sk, d, dv, opts = case
         shown = {k: (v if not isinstance(v, torch.dtype) else str(v).replace("torch.", "")) for k, v in opts.items()}
         head = f"{name:<20} {b:>2} {hq:>3} {hkv:>3} {sq:>5} {sk:>5} {d:>4} {dv:>4} {str(shown):<44}"
+        print(f"...  {head}", end="\r", flush=True)  # left on screen if the case hangs
         try:
             good, text = check_one(case, device, gen, grads_of)
         except Exception as err:  # a launch that fails: report it; a lost context ends the run

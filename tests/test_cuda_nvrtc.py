@@ -131,6 +131,27 @@ def test_hopper_forward_tiles_fit_and_use_three_warpgroups():
             assert "-DOVERLAP=1" in v.defines()  # every shipped tile pipelines S with P V
 
 
+def test_hopper_backward_tiles_fit_and_are_compiled():
+    """The Hopper backward's specialisations (CI builds them for sm_90a) fit; 128 keys on three warpgroups."""
+    shared = variants.max_shared((9, 0))
+    found = [v for v in variants.requestable(families.HOPPER, (9, 0)) if v.hopper_backward]
+    assert {(v.head_dim, v.score_mod) for v in found} == {(t, m) for t in variants.HOPPER_BACKWARD_TILES
+                                                          for m in (False, True)}
+    for v in found:
+        assert v.shared_bytes() <= shared and v.threads == 384 and v.block_n == 128
+        assert v.block_m in (64, 128) and v.head_dim % 64 == 0
+        assert v.source == "sm90/fa_bwd.cu" and v.function == "attnx_bwd_wgmma"
+    assert not any(v.hopper_backward for v in variants.all_variants(families.AMPERE))
+
+
+def test_hopper_backward_is_not_dispatched_yet():
+    """Until a GPU has checked the Hopper backward, training on sm_90 runs the Ampere backward kernel."""
+    assert families.HOPPER.source("bwd") == "sm80/fa_bwd.cu"
+    tile = variants.head_dim_tile(128, 128, families.HOPPER, "bwd")
+    dispatched = variants.backward_variants(families.HOPPER, True, tile, False, variants.max_shared((9, 0)))
+    assert dispatched and all(v.kernel == "bwd" and v.source == "sm80/fa_bwd.cu" for v in dispatched)
+
+
 def test_wgmma_header_is_generated_from_the_widths():
     import importlib.util
 
@@ -141,9 +162,12 @@ def test_wgmma_header_is_generated_from_the_widths():
     gen_wgmma = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen_wgmma)
     assert gen_wgmma.HEADER.read_text() == gen_wgmma.render(), "run gen_wgmma.py after changing WIDTHS"
-    used = {v.block_n for v in variants.requestable(families.HOPPER, (9, 0)) if v.kernel == "fwd"}
+    hopper = variants.requestable(families.HOPPER, (9, 0))
+    used = {v.block_n for v in hopper if v.kernel == "fwd"}
     used |= set(variants.PANEL_TILES)
+    used |= {v.block_m for v in hopper if v.hopper_backward}  # S^T and dP^T are 64 keys x block_m queries
     assert used <= set(gen_wgmma.WIDTHS)
+    assert set(variants.PANEL_TILES) <= set(gen_wgmma.MN_WIDTHS)  # the backward's dQ = dS K
 
 
 def test_family_for_each_gpu():
