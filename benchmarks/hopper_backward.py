@@ -167,30 +167,39 @@ def check_one(case, device, gen, grads_of) -> tuple[bool, str]:
     return good, "  ".join(parts)
 
 
-def check(head_dims, grads_of, device, max_scores=None) -> bool:
-    """Every case of `cases` (those of at most `max_scores` Sq x Sk where given); False on any failure."""
+def check(head_dims, grads_of, device, max_scores=None, only=None) -> bool:
+    """Every case of `cases` (those of at most `max_scores` Sq x Sk, whose name contains `only`, where
+    given); False on any failure."""
     gen = torch.Generator(device=device).manual_seed(0)
-    all_good = True
-    todo = [c for c in cases(head_dims) if max_scores is None or c[4] * c[5] <= max_scores]
-    print(f"{'':4} {'case':<20} {'B':>2} {'Hq':>3} {'Hkv':>3} {'Sq':>5} {'Sk':>5} {'D':>4} {'Dv':>4} "
+    all_good, failed = True, []
+    todo = [c for c in cases(head_dims) if (max_scores is None or c[4] * c[5] <= max_scores)
+            and (only is None or only in c[0])]
+    print(f"{'':4} {'#':>3} {'case':<20} {'B':>2} {'Hq':>3} {'Hkv':>3} {'Sq':>5} {'Sk':>5} {'D':>4} {'Dv':>4} "
           f"{'options':<44} max err / bound")
     for n, case in enumerate(todo):
         name, b, hq, hkv, sq, sk, d, dv, opts = case
         shown = {k: (v if not isinstance(v, torch.dtype) else str(v).replace("torch.", "")) for k, v in opts.items()}
-        head = f"{name:<20} {b:>2} {hq:>3} {hkv:>3} {sq:>5} {sk:>5} {d:>4} {dv:>4} {str(shown):<44}"
-        print(f"...  {head}", end="\r", flush=True)  # left on screen if the case hangs
+        head = f"{n:>3} {name:<20} {b:>2} {hq:>3} {hkv:>3} {sq:>5} {sk:>5} {d:>4} {dv:>4} {str(shown):<44}"
         try:
             good, text = check_one(case, device, gen, grads_of)
         except Exception as err:  # a launch that fails: report it; a lost context ends the run
             good, text = False, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             traceback.print_exc()
             if device == "cuda" and not _context_alive():
-                print(f"BAD  {head} {text}\nCUDA context lost after case {n}: the remaining "
+                print(f"BAD  {head} {text}\nCUDA context lost in case {n}: the remaining "
                       f"{len(todo) - n - 1} cases are not run", flush=True)
+                for line in failed:
+                    print(line)
                 return False
         all_good &= good
-        print(f"{'ok ' if good else 'BAD'}  {head} {text}", flush=True)
-    print("all passed" if all_good else "FAILURES above (BAD)")
+        line = f"{'ok ' if good else 'BAD'}  {head} {text}"
+        print(line, flush=True)  # a hang leaves case n + 1 of `cases()` as the culprit
+        if not good:
+            failed.append(line)
+    # the summary last: a device call returns only the tail of the output
+    print(f"{len(todo) - len(failed)} of {len(todo)} cases passed" + ("" if all_good else ", failures:"))
+    for line in failed:
+        print(line)
     return all_good
 
 
@@ -263,14 +272,17 @@ def main(argv=None) -> int:
     parser.add_argument("what", choices=("check", "time"))
     parser.add_argument("--head-dims", default="128,64")
     parser.add_argument("--seqlens", default="1024,4096,16384", help="time: sequence lengths")
+    parser.add_argument("--max-scores", type=int, default=None,
+                        help="check: only cases of at most this many Sq x Sk (e.g. under compute-sanitizer)")
+    parser.add_argument("--only", default=None, help="check: only cases whose name contains this")
     parser.add_argument("--self-test", action="store_true",
                         help="check on the CPU with the float32 formula standing in for the kernel (small cases)")
     args = parser.parse_args(argv)
     head_dims = tuple(int(d) for d in args.head_dims.split(","))
     if args.what == "check":
         if args.self_test:
-            return 0 if check(head_dims, _stand_in_grads, "cpu", max_scores=300 * 1000) else 1
-        return 0 if check(head_dims, _kernel_grads, "cuda") else 1
+            return 0 if check(head_dims, _stand_in_grads, "cpu", args.max_scores or 300 * 1000, args.only) else 1
+        return 0 if check(head_dims, _kernel_grads, "cuda", args.max_scores, args.only) else 1
     time_all(tuple(int(s) for s in args.seqlens.split(",")), head_dims)
     return 0
 
