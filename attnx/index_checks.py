@@ -146,16 +146,22 @@ def check_append(name: str, values: Sequence[int], new: Sequence[int], capacity:
 def check_pages(name: str, table: torch.Tensor, used: torch.Tensor, num_pages: int) -> None:
     """Entries ``table[b, :used[b]]`` (the pages sequence b reads) name pages in ``[0, num_pages)``.
 
-    ``table`` (B, max_pages) and ``used`` (B,) integer tensors on one device; other entries may hold
-    anything (a sequence never reads them). Reads only the result of the test on a GPU.
+    ``table`` (B, max_pages) and ``used`` (B,) integer tensors; entries past ``used[b]`` may hold
+    anything (a sequence never reads them). On a GPU, one read of the smallest and largest entry.
     """
-    columns = torch.arange(table.shape[1], device=table.device)
-    in_use = columns[None, :] < used.to(table.device)[:, None]
+    used = used.to(table.device)
+    if table.device.type == "cpu" and table.numel():  # only the columns some sequence reads
+        table = table[:, :max(int(used.max()), 0)]
+    in_use = torch.arange(table.shape[1], device=table.device)[None, :] < used[:, None]
+    if not table.numel():
+        return
+    low, high = torch.stack(torch.aminmax(torch.where(in_use, table, 0))).tolist()
+    if low >= 0 and high < num_pages:
+        return
     bad = in_use & ((table < 0) | (table >= num_pages))
-    if bool(bad.any()):
-        b, j = (int(i) for i in bad.nonzero()[0])
-        raise InvalidArgumentError(f"`{name}`[{b}, {j}] = {int(table[b, j])} is outside the pool of {num_pages} "
-                                   f"pages (sequence {b} reads its first {int(used[b])} entries)")
+    b, j = (int(i) for i in bad.nonzero()[0])
+    raise InvalidArgumentError(f"`{name}`[{b}, {j}] = {int(table[b, j])} is outside the pool of {num_pages} "
+                               f"pages (sequence {b} reads its first {int(used[b])} entries)")
 
 
 def read_indices(p, x, *, check_longest: bool = False) -> HostIndices:
