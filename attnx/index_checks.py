@@ -70,12 +70,16 @@ def check_indices(q, k, v, **options) -> None:
 
     Raises what `attnx.attention` would for a bad shape or option, and `InvalidArgumentError`
     naming the first bad entry of ``cu_seqlens_*``, ``seqlens_k`` or ``page_table`` (one
-    device->host copy of them). Returns None when everything is in range.
+    device->host copy of them). Returns None when everything is in range. ``backend`` and
+    ``return_lse`` are accepted (so a call's keyword arguments can be passed as they are) and
+    play no part.
 
     Equivalent PyTorch: ``with attnx.validate_indices(): attnx.explain(q, k, v, **options)``.
     """
     from .problem import make_call  # (attnx.problem imports this module)
 
+    options.pop("backend", None)
+    options.pop("return_lse", None)
     p, x = make_call(q, k, v, **options)
     if not p.is_dense:
         read_indices(p, x, check_longest=True)

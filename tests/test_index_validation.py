@@ -147,6 +147,7 @@ def test_check_indices_raises_attentions_shape_errors():
     with pytest.raises(attnx.InvalidArgumentError, match="`cu_seqlens_k` must have 3 entries"):
         attnx.check_indices(q, k, v, **dict(options, cu_seqlens_k=i32(0, 9)))
     assert attnx.check_indices(*torch.randn(3, 1, 2, 4, 8)) is None   # dense: nothing to read
+    assert attnx.check_indices(q, k, v, **options, backend="naive", return_lse=True) is None
 
 
 class _DeviceSideBackend(attnx.Backend):
