@@ -4,14 +4,17 @@ from __future__ import annotations
 from ..errors import InvalidArgumentError
 from .allgather import AllGatherAttention
 from .ring import RingAttention
+from .ring_pieces import PiecedRingAttention
 from .validate import check_call, check_return_lse
 from .varlen_ring import VarlenAllGatherAttention, VarlenRingAttention
+from .varlen_ring_pieces import VarlenPiecedRingAttention
 from .varlen_validate import check_varlen_call
 
 
 def ring_attention(q, k, v, *, group=None, sharding="zigzag", causal=False, window=None, offset=None, scale=None,
                    softcap=None, alibi_slopes=None, sinks=None, layout="bhsd", backend=None, exchange="auto",
-                   return_lse=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+                   kv_pieces=1, return_lse=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                   max_seqlen_k=None):
     """This rank's shard of exact attention over a sequence sharded across `group` (context parallelism).
 
     Every rank of `group` calls it at the same time with its shard of one sequence of
@@ -33,7 +36,15 @@ def ring_attention(q, k, v, *, group=None, sharding="zigzag", causal=False, wind
             same tokens: bottom-right and top-left agree).
         backend: the attnx backend for every block (None: the dispatcher chooses per block).
         exchange: ``"ring"`` (K/V travel around the ring), ``"allgather"`` (every rank gathers
-            the whole K/V once) or ``"auto"``: `attnx.distributed.choose_exchange`.
+            the whole K/V once) or ``"auto"``: `attnx.distributed.choose_exchange` (the ring
+            when ``kv_pieces > 1``).
+        kv_pieces: the ring's K/V blocks (and in the backward their dK/dV) travel in this many
+            pieces, each all the way round the ring before the next leaves: a rank then holds
+            two pieces of other ranks' K/V instead of two blocks, so its peak memory falls as
+            1/P from one rank on. Transfers still overlap compute, piece by piece; the cost is
+            ``kv_pieces`` times as many messages and local calls, each that much smaller.
+            1 (the default): whole blocks. 8 suits long sequences (docs/distributed.md,
+            "Memory per rank"). Not with ``exchange="allgather"``.
         return_lse: also return ``lse``, float32 ``(B, Hq, S_local)`` (not differentiable).
         cu_seqlens_q, cu_seqlens_k: packed (varlen) shards: q ``(T_rank, Hq, D)``, k and v
             ``(T_rank, Hkv, D)`` hold this rank's piece(s) of every sequence of the batch, one
@@ -74,8 +85,11 @@ def ring_attention(q, k, v, *, group=None, sharding="zigzag", causal=False, wind
                                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, sinks=sinks,
                                  sharding=sharding, causal=causal, window=window, offset=offset, scale=scale,
                                  softcap=softcap, alibi_slopes=alibi_slopes, layout=layout, backend=backend,
-                                 exchange=exchange)
-        function = VarlenRingAttention if spec.ring.exchange == "ring" else VarlenAllGatherAttention
+                                 exchange=exchange, kv_pieces=kv_pieces)
+        function = VarlenAllGatherAttention
+        if spec.ring.exchange == "ring":
+            pieced = spec.ring.kv_pieces > 1 and spec.ring.world_size > 1
+            function = VarlenPiecedRingAttention if pieced else VarlenRingAttention
         out, lse = function.apply(spec, q, k, v, sinks)
         return (out, lse) if return_lse else out
     for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
@@ -84,7 +98,9 @@ def ring_attention(q, k, v, *, group=None, sharding="zigzag", causal=False, wind
                                        f"this call has none (got {name}={given!r})")
     spec = check_call(q, k, v, group=group, sinks=sinks, sharding=sharding, causal=causal, window=window,
                       offset=offset, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, layout=layout,
-                      backend=backend, exchange=exchange)
-    function = RingAttention if spec.exchange == "ring" else AllGatherAttention
+                      backend=backend, exchange=exchange, kv_pieces=kv_pieces)
+    function = AllGatherAttention
+    if spec.exchange == "ring":  # one rank: nothing travels, pieces or not
+        function = PiecedRingAttention if spec.kv_pieces > 1 and spec.world_size > 1 else RingAttention
     out, lse = function.apply(spec, q, k, v, sinks)
     return (out, lse) if return_lse else out

@@ -12,14 +12,36 @@ shards received per rank). They differ in
   holds three shards at a time.
 
 So the all-gather wins while the whole K/V is small: short sequences, or GQA-heavy shapes
-where K/V are a fraction of q.
+where K/V are a fraction of q. A call that asks for ``kv_pieces > 1`` asks for the least
+memory, which only the ring gives: ``"auto"`` then picks the ring, and ``"allgather"`` is
+an error.
 """
 from __future__ import annotations
+
+import operator
+
+from ..errors import InvalidArgumentError, InvalidTypeError
 
 EXCHANGES = ("auto", "ring", "allgather")
 # all-gather while the whole K/V of the group is at most this many bytes ...
 ALLGATHER_MAX_BYTES = 32 << 20
 # ... or at most the bytes of the rank's own query shard (GQA-heavy shapes)
+
+
+def check_kv_pieces(kv_pieces, exchange: str) -> int:
+    """`kv_pieces` as an int >= 1, compatible with `exchange` (typed errors otherwise)."""
+    try:
+        if isinstance(kv_pieces, bool):
+            raise TypeError
+        kv_pieces = operator.index(kv_pieces)
+    except TypeError:
+        raise InvalidTypeError(f"`kv_pieces` must be an int, got {kv_pieces!r}") from None
+    if kv_pieces < 1:
+        raise InvalidArgumentError(f"`kv_pieces` must be >= 1, got {kv_pieces}")
+    if kv_pieces > 1 and exchange == "allgather":
+        raise InvalidArgumentError(f"`kv_pieces={kv_pieces}` cuts the ring's K/V blocks into pieces, and "
+                                   "`exchange=\"allgather\"` has no ring: use exchange=\"ring\" (or \"auto\")")
+    return kv_pieces
 
 
 def choose_exchange(world_size: int, q_bytes: int, kv_bytes: int) -> str:

@@ -32,6 +32,7 @@ class RingSpec:
     alibi_slopes: Optional[torch.Tensor]
     backend: Optional[str]
     exchange: str
+    kv_pieces: int = 1  # the ring's K/V (and dK/dV) travel in this many pieces, one after the other
 
     def chunks(self, rank: int) -> tuple[Chunk, ...]:
         """The chunks of rank `rank`'s shard."""

@@ -22,12 +22,13 @@ from ..problem import make_problem
 from ..registry import get_backend
 from .schedule import SOME, pairs
 from .group import resolve_group
-from .rule import EXCHANGES, choose_exchange
+from .kv_pieces import kv_pieces as cut_pieces
+from .rule import EXCHANGES, check_kv_pieces, choose_exchange
 from .sharding import check_shard_length, check_sharding
 from .spec import RingSpec
 
 _FIELDS = ("rejected", "batch", "heads_q", "heads_kv", "shard length", "head_dim", "head_dim_v", "dtype",
-           "layout", "sharding", "exchange", "needs_grad", "sinks", "alibi_slopes", "options")
+           "layout", "sharding", "exchange", "needs_grad", "sinks", "alibi_slopes", "kv_pieces", "options")
 _CODES = {"bhsd": 0, "bshd": 1, "zigzag": 0, "contiguous": 1, "ring": 0, "allgather": 1}
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 
@@ -40,9 +41,13 @@ def _check_backend_accepts(spec: RingSpec, q, k, v) -> None:
     """Ask the dispatcher (`attnx.plan`) about every distinct block this rank will compute: NoBackendError now."""
     asked = set()
     q_chunks = spec.chunks(spec.rank)
+    if spec.kv_pieces > 1 and spec.world_size > 1:
+        blocks = [piece.chunks(spec, src) for piece in cut_pieces(spec) for src in range(spec.world_size)]
+    else:
+        blocks = [spec.chunks(src) for src in range(spec.world_size)]
     with torch.no_grad():  # blocks run inside the autograd Function, without grad
-        for src in range(spec.world_size):
-            for _, qc, kc, seen in pairs(spec, q_chunks, spec.chunks(src)):
+        for k_chunks in blocks:
+            for _, qc, kc, seen in pairs(spec, q_chunks, k_chunks):
                 positional = seen == SOME or spec.alibi_slopes is not None
                 offset = qc.position + spec.offset - kc.position if positional else None
                 if (seen, offset) in asked:
@@ -55,7 +60,7 @@ def _check_backend_accepts(spec: RingSpec, q, k, v) -> None:
 
 
 def local_spec(q, k, v, group, rank, world_size, *, sharding, causal, window, offset, scale, softcap,
-               alibi_slopes, sinks, layout, backend, exchange) -> RingSpec:
+               alibi_slopes, sinks, layout, backend, exchange, kv_pieces) -> RingSpec:
     """The rank's checked `RingSpec` (typed errors for its own arguments; no communication)."""
     p = make_problem(q, k, v, causal=causal, window=window, offset=offset, scale=scale, softcap=softcap,
                      alibi_slopes=alibi_slopes, sinks=sinks, layout=layout)
@@ -65,15 +70,18 @@ def local_spec(q, k, v, group, rank, world_size, *, sharding, causal, window, of
     check_shard_length(p.seqlen_q, check_sharding(sharding))
     if exchange not in EXCHANGES:
         raise InvalidArgumentError(f"`exchange` must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
+    kv_pieces = check_kv_pieces(kv_pieces, exchange)
     if backend is not None:
         get_backend(backend)  # unknown names raise
+    if exchange == "auto" and kv_pieces > 1:  # the least memory: only the ring gives it
+        exchange = "ring"
     if exchange == "auto":
         kv_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
         exchange = choose_exchange(world_size, q.numel() * q.element_size(), kv_bytes)
     spec = RingSpec(group=group, rank=rank, world_size=world_size, sharding=sharding, layout=layout,
                     shard_len=p.seqlen_q, scale=p.scale, softcap=p.softcap, window_left=p.window_left,
                     window_right=p.window_right, offset=0 if offset is None else operator.index(offset),
-                    alibi_slopes=alibi_slopes, backend=backend, exchange=exchange)
+                    alibi_slopes=alibi_slopes, backend=backend, exchange=exchange, kv_pieces=kv_pieces)
     bhsd = [t.transpose(1, 2) if layout == "bshd" else t for t in (q, k, v)]
     _check_backend_accepts(spec, *bhsd)
     return spec
@@ -86,7 +94,7 @@ def _signature(spec: Optional[RingSpec], q, k, v, sinks) -> list[int]:
     heads = 1 if spec.layout == "bhsd" else 2
     return [0, q.shape[0], q.shape[heads], k.shape[heads], spec.shard_len, q.shape[-1], v.shape[-1], _DTYPES[q.dtype],
             _CODES[spec.layout], _CODES[spec.sharding], _CODES[spec.exchange], int(_needs_grad(q, k, v, sinks)),
-            int(sinks is not None), int(spec.alibi_slopes is not None), zlib.crc32(options.encode())]
+            int(sinks is not None), int(spec.alibi_slopes is not None), spec.kv_pieces, zlib.crc32(options.encode())]
 
 
 def _agree(group, world_size: int, mine: list[int], device) -> list[list[int]]:

@@ -89,13 +89,22 @@ def _slopes(spec: VarlenSpec, seqs: list) -> Optional[torch.Tensor]:
 
 def plan_block(spec: VarlenSpec, rank: int, src: int, device) -> list[SubCall]:
     """The varlen calls of rank `rank`'s queries against rank `src`'s K/V block."""
-    ring, layout = spec.ring, spec.layout
+    return plan_calls(spec, spec.layout.slots(rank), spec.layout.slots(src), device)
+
+
+def plan_calls(spec: VarlenSpec, q_slots, k_slots, device) -> list[SubCall]:
+    """The varlen calls of the query pieces `q_slots` against the key pieces `k_slots`.
+
+    ``slots[s][b]`` is the s-th piece of sequence b (`VarlenLayout.slots`), its ``start`` a row of
+    the query shard or of the key tensor the calls will be given (a block, or a piece of one).
+    """
+    ring = spec.ring
     window = None
     if ring.window_left is not None or ring.window_right is not None:
         window = (ring.window_left, ring.window_right)
     calls = []
-    for q_slot in layout.slots(rank):
-        for k_slot in layout.slots(src):
+    for q_slot in q_slots:
+        for k_slot in k_slots:
             groups: dict = {}
             for qc, kc in zip(q_slot, k_slot):
                 seen = visibility(qc.position + ring.offset, qc.length, kc.position, kc.length,

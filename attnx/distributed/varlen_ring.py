@@ -26,14 +26,14 @@ def _padded(spec: VarlenSpec, t: torch.Tensor) -> torch.Tensor:
     return block
 
 
-def _outputs(spec: VarlenSpec, q, v, calls_by_src, blocks) -> tuple:
-    """Run the forward over every block (``blocks`` yields ``(src, k, v)``); ``(out, lse)`` of the shard."""
+def _outputs(spec: VarlenSpec, q, v, blocks) -> tuple:
+    """Run the forward over every block (``blocks`` yields ``(its calls, k, v)``); ``(out, lse)`` of the shard."""
     tokens, heads = q.shape[0], q.shape[1]
     acc_dtype = accumulation_dtype(q.dtype)
     out = q.new_zeros((tokens, heads, v.shape[-1]), dtype=acc_dtype)
     acc = Accumulator(out, q.new_full((tokens, heads), -float("inf"), dtype=acc_dtype))
-    for src, k_block, v_block in blocks:
-        forward_block(spec, q, k_block, v_block, calls_by_src[src], acc)
+    for calls, k_block, v_block in blocks:
+        forward_block(spec, q, k_block, v_block, calls, acc)
     return acc, out
 
 
@@ -63,11 +63,11 @@ class VarlenRingAttention(torch.autograd.Function):
             kv = [_padded(spec, k), _padded(spec, v)]
             for step in range(size):
                 pending = ring.shift(kv, TAG_KV) if step < size - 1 else None
-                yield (rank - step) % size, kv[0], kv[1]
+                yield calls[(rank - step) % size], kv[0], kv[1]
                 if pending is not None:
                     kv = pending.wait()
 
-        acc, out = _outputs(spec, q, v, calls, blocks())
+        acc, out = _outputs(spec, q, v, blocks())
         out, lse = _finish(acc, out, q, sinks)
         ctx.spec, ctx.calls = spec, calls
         ctx.save_for_backward(q, k, v, sinks, out, lse)
@@ -111,14 +111,14 @@ class VarlenAllGatherAttention(torch.autograd.Function):
         gathered = []
 
         def blocks():
-            yield rank, kv[0], kv[1]  # while gathering
+            yield calls[rank], kv[0], kv[1]  # while gathering
             gathered.extend(p.wait() for p in pending)
             keys, values = gathered
             for src in range(size):
                 if src != rank:
-                    yield src, keys[src], values[src]
+                    yield calls[src], keys[src], values[src]
 
-        acc, out = _outputs(spec, q, v, calls, blocks())
+        acc, out = _outputs(spec, q, v, blocks())
         out, lse = _finish(acc, out, q, sinks)
         ctx.spec, ctx.calls = spec, calls
         ctx.save_for_backward(q, k, v, sinks, out, lse, *gathered[0], *gathered[1])

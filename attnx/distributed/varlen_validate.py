@@ -20,7 +20,7 @@ from ..errors import AttnxError, InvalidArgumentError
 from ..problem import make_problem
 from ..registry import get_backend
 from .group import resolve_group
-from .rule import EXCHANGES, choose_exchange
+from .rule import EXCHANGES, check_kv_pieces, choose_exchange
 from .sharding import check_sharding
 from .spec import RingSpec
 from .validate import _CODES, _DTYPES, _agree, _needs_grad, _signature_device, raise_on_disagreement
@@ -28,11 +28,11 @@ from .varlen_calls import VarlenSpec
 from .varlen_sharding import _layout_from_shards, read_cu_seqlens
 
 _FIELDS = ("rejected", "batch", "heads_q", "heads_kv", "head_dim", "head_dim_v", "dtype", "sharding", "exchange",
-           "needs_grad", "sinks", "alibi_slopes", "options")
+           "needs_grad", "sinks", "alibi_slopes", "kv_pieces", "options")
 
 
 def _local(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, sharding, causal, window, offset,
-           scale, softcap, alibi_slopes, sinks, layout, backend, exchange):
+           scale, softcap, alibi_slopes, sinks, layout, backend, exchange, kv_pieces):
     """``(Problem, this rank's cu_seqlens values)``: typed errors for the rank's own arguments, no communication."""
     p = make_problem(q, k, v, causal=causal, window=window, offset=offset, scale=scale, softcap=softcap,
                      alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -44,6 +44,7 @@ def _local(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, s
     check_sharding(sharding)
     if exchange not in EXCHANGES:
         raise InvalidArgumentError(f"`exchange` must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
+    check_kv_pieces(kv_pieces, exchange)
     if backend is not None:
         get_backend(backend)  # unknown names raise
     positional = p.window_left is not None or p.window_right is not None or alibi_slopes is not None
@@ -59,19 +60,19 @@ def _local(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, s
     return p, cu
 
 
-def _signature(p, q, k, v, sinks, alibi_slopes, sharding, exchange, offset, backend) -> list[int]:
+def _signature(p, q, k, v, sinks, alibi_slopes, sharding, exchange, offset, backend, kv_pieces) -> list[int]:
     if p is None:
         return [1] + [0] * (len(_FIELDS) - 1)
     options = repr((p.window_left, p.window_right, offset, p.scale, p.softcap, backend))
     slopes = 0 if alibi_slopes is None else alibi_slopes.dim()
     return [0, p.batch, q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], _DTYPES[q.dtype], _CODES[sharding],
             EXCHANGES.index(exchange), int(_needs_grad(q, k, v, sinks)), int(sinks is not None), slopes,
-            zlib.crc32(options.encode())]
+            operator.index(kv_pieces), zlib.crc32(options.encode())]
 
 
 def check_varlen_call(q, k, v, *, group, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, sharding,
                       causal, window, offset, scale, softcap, alibi_slopes, layout, backend,
-                      exchange) -> VarlenSpec:
+                      exchange, kv_pieces) -> VarlenSpec:
     """The call's `VarlenSpec`, the same on every rank of the group, or a typed error on every rank."""
     group, rank, world_size = resolve_group(group)
     p, cu, error = None, None, None
@@ -79,12 +80,12 @@ def check_varlen_call(q, k, v, *, group, cu_seqlens_q, cu_seqlens_k, max_seqlen_
         p, cu = _local(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sharding=sharding,
                        causal=causal, window=window, offset=offset, scale=scale, softcap=softcap,
                        alibi_slopes=alibi_slopes, sinks=sinks, layout=layout, backend=backend,
-                       exchange=exchange)
+                       exchange=exchange, kv_pieces=kv_pieces)
     except AttnxError as e:
         error = e
     device = _signature_device(group)
     if world_size > 1:
-        mine = _signature(p, q, k, v, sinks, alibi_slopes, sharding, exchange, offset, backend)
+        mine = _signature(p, q, k, v, sinks, alibi_slopes, sharding, exchange, offset, backend, kv_pieces)
         rows = _agree(group, world_size, mine, device)
     if error is not None:
         raise error
@@ -94,6 +95,9 @@ def check_varlen_call(q, k, v, *, group, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     else:
         cus = [cu]
     layout = _layout_from_shards(cus, sharding, "cu_seqlens_q")
+    kv_pieces = operator.index(kv_pieces)
+    if exchange == "auto" and kv_pieces > 1:  # the least memory: only the ring gives it
+        exchange = "ring"
     if exchange == "auto":
         row_bytes = k.shape[1] * k.shape[2] * k.element_size() + v.shape[1] * v.shape[2] * v.element_size()
         q_bytes = q.shape[1] * q.shape[2] * q.element_size() * layout.max_tokens()
@@ -101,6 +105,6 @@ def check_varlen_call(q, k, v, *, group, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     ring = RingSpec(group=group, rank=rank, world_size=world_size, sharding=sharding, layout="varlen",
                     shard_len=layout.tokens(rank), scale=p.scale, softcap=p.softcap, window_left=p.window_left,
                     window_right=p.window_right, offset=0 if offset is None else operator.index(offset),
-                    alibi_slopes=alibi_slopes, backend=backend, exchange=exchange)
+                    alibi_slopes=alibi_slopes, backend=backend, exchange=exchange, kv_pieces=kv_pieces)
     return VarlenSpec(ring=ring, layout=layout,
                       per_sequence_slopes=alibi_slopes is not None and alibi_slopes.dim() == 2)
