@@ -4,7 +4,8 @@
     python -m benchmarks.hopper_backward time    # paper setting (bf16, 16k tokens) beside the Ampere
                                                  # backward on sm_90, SDPA cuDNN and SDPA flash
 
-One device call runs both: ``check && time``. `check` prints one line per case (the worst error
+One device call runs both: ``check && time``; ``--configs table,dqbulk`` adds the variant whose dQ
+goes through shared memory and a writer warp's bulk reductions (check it before timing it). `check` prints one line per case (the worst error
 of each gradient beside its bound), continues past failures, stops only when the CUDA context is
 lost, and exits 1 on any failure. The bound is the one of tests/test_cuda_gpu.py: twice the error
 of the formula computed from the same low-dtype inputs in that dtype and in float32, plus 1e-3.
@@ -119,13 +120,26 @@ def _rel_err(got, ref) -> float:
     return diff / max(ref.double().norm().item(), 1e-30) if diff else 0.0
 
 
-def _kernel_grads(p, xv, dout_v):
-    """The Hopper forward, then the Hopper backward (dk/dv poisoned with NaN first)."""
-    from attnx.backends.cuda import launch_sm90, launch_sm90_bwd
+# configurations: the shipped tile table, or it with dQ added by the writer warp's bulk reductions
+CONFIGS = ("table", "dqbulk")
 
-    out, lse = launch_sm90.forward(p, xv)
-    g = launch_sm90_bwd.backward(p, xv, out, lse, dout_v, poison=True)
-    return [g.dq, g.dk, g.dv, g.dsinks]
+
+def _variant(p, config):
+    from attnx.backends.cuda.launch_sm90_bwd import backward_variant_for
+
+    v = backward_variant_for(p)
+    return v._replace(dq_bulk=True) if config == "dqbulk" and v is not None else v
+
+
+def _kernel_grads(config):
+    """The Hopper forward, then the Hopper backward in `config` (dk/dv poisoned with NaN first)."""
+    def grads(p, xv, dout_v):
+        from attnx.backends.cuda import launch_sm90, launch_sm90_bwd
+
+        out, lse = launch_sm90.forward(p, xv)
+        g = launch_sm90_bwd.backward(p, xv, out, lse, dout_v, _variant(p, config), poison=True)
+        return [g.dq, g.dk, g.dv, g.dsinks]
+    return grads
 
 
 def _stand_in_grads(p, xv, dout_v):
@@ -217,7 +231,7 @@ def _flops_fwd(b, h, s, d, causal):
     return 4 * b * h * s * s * d / (2 if causal else 1)
 
 
-def time_all(seqlens, head_dims) -> None:
+def time_all(seqlens, head_dims, configs=("table",)) -> None:
     import triton.testing
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -239,8 +253,10 @@ def time_all(seqlens, head_dims) -> None:
                 out, lse = launch_sm90.forward(p, xv)
                 fwd_ms = bench(lambda: launch_sm90.forward(p, xv))
                 found = {}  # name -> (bwd ms, fwd+bwd ms)
-                hopper = bench(lambda: launch_sm90_bwd.backward(p, xv, out, lse, dout))
-                found["sm90 bwd (new)"] = (hopper, fwd_ms + hopper)
+                for config in configs:
+                    variant = _variant(p, config)
+                    hopper = bench(lambda: launch_sm90_bwd.backward(p, xv, out, lse, dout, variant))
+                    found[f"sm90 bwd {config}"] = (hopper, fwd_ms + hopper)
                 ampere = bench(lambda: launch.backward(p, xv, out, lse, dout))
                 found["sm80 bwd on sm90 (today)"] = (ampere, fwd_ms + ampere)
                 for name, kind in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
@@ -272,6 +288,7 @@ def main(argv=None) -> int:
     parser.add_argument("what", choices=("check", "time"))
     parser.add_argument("--head-dims", default="128,64")
     parser.add_argument("--seqlens", default="1024,4096,16384", help="time: sequence lengths")
+    parser.add_argument("--configs", default="table", help=f"comma list of {', '.join(CONFIGS)}")
     parser.add_argument("--max-scores", type=int, default=None,
                         help="check: only cases of at most this many Sq x Sk (e.g. under compute-sanitizer)")
     parser.add_argument("--only", default=None, help="check: only cases whose name contains this")
@@ -279,11 +296,19 @@ def main(argv=None) -> int:
                         help="check on the CPU with the float32 formula standing in for the kernel (small cases)")
     args = parser.parse_args(argv)
     head_dims = tuple(int(d) for d in args.head_dims.split(","))
+    configs = tuple(args.configs.split(","))
+    unknown = set(configs) - set(CONFIGS)
+    if unknown:
+        parser.error(f"unknown configs {sorted(unknown)}; known: {', '.join(CONFIGS)}")
     if args.what == "check":
         if args.self_test:
             return 0 if check(head_dims, _stand_in_grads, "cpu", args.max_scores or 300 * 1000, args.only) else 1
-        return 0 if check(head_dims, _kernel_grads, "cuda", args.max_scores, args.only) else 1
-    time_all(tuple(int(s) for s in args.seqlens.split(",")), head_dims)
+        good = True
+        for config in configs:
+            print(f"== config {config}")
+            good &= check(head_dims, _kernel_grads(config), "cuda", args.max_scores, args.only)
+        return 0 if good else 1
+    time_all(tuple(int(s) for s in args.seqlens.split(",")), head_dims, configs)
     return 0
 
 

@@ -144,6 +144,22 @@ def test_hopper_backward_tiles_fit_and_are_compiled():
     assert not any(v.hopper_backward for v in variants.all_variants(families.AMPERE))
 
 
+def test_hopper_backward_dq_bulk_knob_compiles():
+    """The opt-in dQ path (shared memory + a writer warp's bulk reductions) that benchmarks/hopper_backward.py
+    times beside the table's: it builds for sm_90a and fits."""
+    reason = _nvrtc_available()
+    if reason:
+        pytest.skip(reason)
+    shared = variants.max_shared((9, 0))
+    todo = [v._replace(dq_bulk=True) for v in variants.requestable(families.HOPPER, (9, 0))
+            if v.hopper_backward and v.bf16 and not v.score_mod]
+    assert todo
+    for v in todo:
+        assert v.shared_bytes() <= shared and "-DDQ_BULK=1" in v.defines()
+        ok, log, size = nvrtc_check.nvrtc_compile(v, "sm_90a")
+        assert ok and size > 0, log[:2000]
+
+
 def test_hopper_backward_is_not_dispatched_yet():
     """Until a GPU has checked the Hopper backward, training on sm_90 runs the Ampere backward kernel."""
     assert families.HOPPER.source("bwd") == "sm80/fa_bwd.cu"

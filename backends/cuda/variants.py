@@ -40,6 +40,7 @@ class Variant(NamedTuple):
     stages: int = 1    # fwd: K/V buffers in shared memory
     overlap: bool = False   # Hopper fwd: Q K^T of block j issued before P V of block j-1 completes
     pingpong: bool = False  # Hopper fwd: the two consumer warpgroups take turns at the tensor cores
+    dq_bulk: bool = False   # Hopper bwd: dQ parts added by a writer warp's bulk reductions, not red.global
 
     @property
     def threads(self) -> int:
@@ -67,6 +68,7 @@ class Variant(NamedTuple):
              "BLOCK_N": self.block_n, "NUM_WARPS": self.warps, "SCORE_MOD": int(self.score_mod)}
         if self.hopper_backward:
             del d["NUM_WARPS"]  # fixed by the kernel's warpgroup roles
+            d["DQ_BULK"] = int(self.dq_bulk)
             d["SHARED_BYTES"] = self.shared_bytes()  # the kernel asserts its layout needs exactly this
         elif self.kernel == "bwd":
             d.update(DO_DV=int(self.do_dv), DO_DK=int(self.do_dk))
@@ -79,10 +81,13 @@ class Variant(NamedTuple):
 
     def shared_bytes(self) -> int:
         if self.hopper_backward:
-            # K, V; 2 stages of Q, dO; 2 dS^T buffers; 2 stages of lse, delta; 5 mbarriers; 1 KB to align
+            # K, V; 2 stages of Q, dO; 2 dS^T buffers; (2 dQ parts of 64 padded rows); 2 stages of lse,
+            # delta; 7 mbarriers; 1 KB to align
             panels, bm, bn = self.head_dim // 64, self.block_m, self.block_n
-            return (2 * panels * bn * 128 + 4 * panels * bm * 128 + 2 * (bm // 64) * bn * 128 + 16 * bm + 8 * 5
-                    + 1024)
+            dq_columns = self.head_dim // 2 if (bm == 64 and self.head_dim >= 128) else self.head_dim
+            dq_parts = 2 * 64 * (4 * dq_columns + 32) if self.dq_bulk else 0
+            return (2 * panels * bn * 128 + 4 * panels * bm * 128 + 2 * (bm // 64) * bn * 128 + dq_parts + 16 * bm
+                    + 8 * 7 + 1024)
         if self.hopper_forward:
             # Q panels, STAGES x (K, V) panels, mbarriers, and 1 KB to align the swizzle atoms
             panels = self.head_dim // 64
@@ -98,7 +103,7 @@ class Variant(NamedTuple):
         flags = ("bf16" if self.bf16 else "fp16") + ("+mod" if self.score_mod else "")
         if self.kernel == "bwd" and not (self.do_dv and self.do_dk):
             flags += "+dv" if self.do_dv else "+dk"
-        flags += " wgmma" if self.hopper_backward else ""
+        flags += (" wgmma" + ("+dqbulk" if self.dq_bulk else "")) if self.hopper_backward else ""
         stages = f" s{self.stages}" if self.kernel == "fwd" else ""
         stages += ("+overlap" if self.overlap else "") + ("+pingpong" if self.pingpong else "")
         tile = f"d{self.head_dim} {self.block_m}x{self.block_n} w{self.warps}{stages}"

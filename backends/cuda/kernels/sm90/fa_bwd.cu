@@ -25,7 +25,9 @@
 // (P = 0), padded keys are masked (key_visible checks Sk).
 //
 // Compile-time knobs (NVRTC -D): IS_BF16, HEAD_DIM (tile: 64 or 128), BLOCK_M (queries per step:
-// 64 or 128), BLOCK_N (keys per block, 128), SCORE_MOD, SHARED_BYTES (what the launcher reserves).
+// 64 or 128), BLOCK_N (keys per block, 128), SCORE_MOD, DQ_BULK (dQ parts staged in shared memory and
+// added by a writer warp of the producer warpgroup with bulk reductions, FlashAttention-3's way,
+// instead of red.global.add from the consumers), SHARED_BYTES (what the launcher reserves).
 // NOT YET RUN ON A GPU (written and compiled offline, 2026-12-01): see backends/cuda/NOTES.md.
 #include "common/mask.cuh"
 #include "common/score_mod.cuh"
@@ -43,8 +45,25 @@ constexpr int CONSUMER_REGS = 240;  // 128 x 24 + 256 x 240 <= 64K registers
 constexpr int STEP_BARRIER = 1;     // named barriers: 1 both consumers (256); 2, 3 one consumer's epilogue
 constexpr int STORE_BARRIER = 2;
 
-// Byte offsets in the 1024-aligned dynamic shared memory (every tile a multiple of 1024 bytes).
+// dQ = dS K split between the two consumers: BM = 128, by rows (each one 64-query dS^T panel,
+// N = HD); BM = 64, by columns where the head dim has two panels (each one 64-column K panel),
+// else by keys (each its own 64 keys, both adding to the same dQ elements).
 template <int HD, int BM>
+struct DqSplit {
+  enum { BY_ROWS, BY_COLUMNS, BY_KEYS };
+  static constexpr int HOW = BM == 128 ? BY_ROWS : HD >= 128 ? BY_COLUMNS : BY_KEYS;
+  static constexpr int N = HOW == BY_COLUMNS ? HD / 2 : HD;  // dQ columns per consumer
+  static constexpr int KEYS = HOW == BY_KEYS ? 64 : BN;       // k extent of each consumer's GEMM
+  static_assert(N % 64 == 0, "MN-major wgmma operands are whole 64-column panels");
+  static_assert(BM == 64 || BM == 128, "a step is one or two dS^T panels");
+  static DEVI int row0(int consumer) { return HOW == BY_ROWS ? consumer * 64 : 0; }
+  static DEVI int col0(int consumer) { return HOW == BY_COLUMNS ? consumer * N : 0; }
+};
+
+// Byte offsets in the 1024-aligned dynamic shared memory (every tile a multiple of 1024 bytes).
+// DQB (dQ by bulk reduction): each consumer's 64 x N fp32 dQ part is staged in shared memory,
+// rows padded by 32 bytes (conflict-free float2 stores), for the writer warp's bulk reductions.
+template <int HD, int BM, bool DQB>
 struct Layout {
   static constexpr int PANELS = HD / 64;          // 64 columns = 128 bytes, one swizzle atom wide
   static constexpr int KV_PANEL = BN * 128;
@@ -53,19 +72,24 @@ struct Layout {
   static constexpr int QD_TILE = PANELS * QD_PANEL;
   static constexpr int DS_PANEL = BN * 128;       // dS^T: keys x 64 queries per panel
   static constexpr int DS_TILE = (BM / 64) * DS_PANEL;
+  static constexpr int DQ_ROW = DqSplit<HD, BM>::N * 4 + 32;
+  static constexpr int DQ_PART = 64 * DQ_ROW;     // one consumer's
   static constexpr int K = 0;
   static constexpr int V = K + KV_TILE;
   static constexpr int Q = V + KV_TILE;           // 2 stages
   static constexpr int DO = Q + 2 * QD_TILE;      // 2 stages
   static constexpr int DS = DO + 2 * QD_TILE;     // 2 buffers
-  static constexpr int LSE = DS + 2 * DS_TILE;    // 2 stages x BM floats
+  static constexpr int DQ = DS + 2 * DS_TILE;     // 2 consumer parts (DQB only)
+  static constexpr int LSE = DQ + (DQB ? 2 * DQ_PART : 0);  // 2 stages x BM floats
   static constexpr int DELTA = LSE + 2 * BM * 4;  // 2 stages x BM floats
   static constexpr int BARRIERS = DELTA + 2 * BM * 4;
-  static constexpr int BYTES = BARRIERS + 8 * 5;
-  // barriers: kv_full, then per stage full, empty
+  static constexpr int BYTES = BARRIERS + 8 * 7;
+  // barriers: kv_full, per stage full, empty, then dq_full, dq_empty (DQB)
   static DEVI u32 kv_full(u32 base) { return base + BARRIERS; }
   static DEVI u32 full(u32 base, int s) { return base + BARRIERS + 8 * (1 + s); }
   static DEVI u32 empty(u32 base, int s) { return base + BARRIERS + 8 * (3 + s); }
+  static DEVI u32 dq_full(u32 base) { return base + BARRIERS + 8 * 5; }
+  static DEVI u32 dq_empty(u32 base) { return base + BARRIERS + 8 * 6; }
 };
 
 // What one thread block works on: keys [n0, n0 + BN) of kv head hk, and `steps` steps of
@@ -100,10 +124,10 @@ DEVI int step_m0(const Work& w, int i) {
 }
 
 // ---- producer (one warp) ----------------------------------------------------------------------
-template <int HD, int BM>
+template <int HD, int BM, bool DQB>
 DEVI void produce(const AttnParams& p, const Work& w, u32 base, float* lse_s, float* delta_s, const TmaMap* tq,
                   const TmaMap* tk, const TmaMap* tv, const TmaMap* tdo) {
-  using L = Layout<HD, BM>;
+  using L = Layout<HD, BM, DQB>;
   const int lane = threadIdx.x & 31;
   if (lane == 0) {
     tma_prefetch(tq);
@@ -137,6 +161,33 @@ DEVI void produce(const AttnParams& p, const Work& w, u32 base, float* lse_s, fl
     }
     mbar_arrive(L::full(base, s));  // release: the copies above are visible to the consumers' wait
   }
+}
+
+// ---- dQ writer (one warp, DQB) -------------------------------------------------------------------
+// Per step: wait until both consumers staged their dQ parts, add each row (N fp32, contiguous in
+// dq_accum; rows past Sq skipped) with a bulk reduction, wait until they were read, free the parts.
+template <int HD, int BM>
+DEVI void write_dq(const AttnParams& p, const Work& w, u32 base) {
+  using L = Layout<HD, BM, true>;
+  using Split = DqSplit<HD, BM>;
+  const int lane = threadIdx.x & 31;
+  for (int i = 0; i < w.steps; ++i) {
+    const int hq = step_head(p, w, i), m0 = step_m0<BM>(w, i);
+    float* dq_head = p.dq_accum + ((long long)w.b * p.heads_q + hq) * p.seqlen_q * p.dq_row;
+    mbar_wait(L::dq_full(base), i & 1);
+    for (int t = lane; t < 128; t += 32) {  // 2 consumers x 64 rows
+      const int consumer = t >> 6, r = t & 63;
+      const int row = m0 + Split::row0(consumer) + r;
+      if (row < p.seqlen_q)
+        bulk_reduce_add_f32(dq_head + (long long)row * p.dq_row + Split::col0(consumer),
+                            base + L::DQ + consumer * L::DQ_PART + r * L::DQ_ROW, Split::N * 4);
+    }
+    tma_store_commit();     // one bulk group of this lane's reductions
+    tma_store_wait_read();  // ... which have read the parts
+    __syncwarp();
+    if (lane == 0) mbar_arrive(L::dq_empty(base));
+  }
+  bulk_wait_all();  // the additions themselves, before the thread block may end
 }
 
 // ---- consumer parts ---------------------------------------------------------------------------
@@ -309,27 +360,19 @@ DEVI void write_rows(const float (&acc)[HD / 2], float scale, u32 rows, int warp
     }
 }
 
-template <bool BF16, int HD, int BM, bool MOD>
+template <bool BF16, int HD, int BM, bool MOD, bool DQB>
 DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32 base, const float* lse_s,
                   const float* delta_s, const TmaMap* tdk, const TmaMap* tdv) {
-  using L = Layout<HD, BM>;
-  // dQ = dS K split between the consumers: BM = 128, by rows (one dS^T panel each); BM = 64, by
-  // columns (one K panel each) where the head dim has two panels, else by keys (each its own 64,
-  // both adding to the same dQ elements)
-  enum { BY_ROWS, BY_COLUMNS, BY_KEYS };
-  constexpr int DQ_SPLIT = BM == 128 ? BY_ROWS : HD >= 128 ? BY_COLUMNS : BY_KEYS;
-  constexpr int DQ_N = DQ_SPLIT == BY_COLUMNS ? HD / 2 : HD;
-  constexpr int DQ_KEYS = DQ_SPLIT == BY_KEYS ? 64 : BN;
-  static_assert(DQ_N % 64 == 0, "MN-major wgmma operands are whole 64-column panels");
-  static_assert(BM == 64 || BM == 128, "a step is one or two dS^T panels");
+  using L = Layout<HD, BM, DQB>;
+  using Split = DqSplit<HD, BM>;
+  constexpr int DQ_N = Split::N;
   const int consumer = threadIdx.x / 128 - 1;
   const int warp_in_group = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
   const int key_row = consumer * 64 + warp_in_group * 16 + g;  // and key_row + 8, inside the block
   const u32 k_rows = base + L::K + consumer * 64 * 128;
   const u32 v_rows = base + L::V + consumer * 64 * 128;
-  const int dq_row0 = DQ_SPLIT == BY_ROWS ? consumer * 64 : 0;
-  const int dq_col0 = DQ_SPLIT == BY_COLUMNS ? consumer * DQ_N : 0;
+  const int dq_row0 = Split::row0(consumer), dq_col0 = Split::col0(consumer);
 
   float dk[HD / 2], dv[HD / 2];
 #pragma unroll
@@ -388,12 +431,12 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
 
     float dq[DQ_N / 2];
     wgmma_fence();
-    if constexpr (DQ_SPLIT == BY_ROWS)
-      issue_dq<BF16, DQ_N, DQ_KEYS>(dq, ds_tile + consumer * L::DS_PANEL, base + L::K);
-    else if constexpr (DQ_SPLIT == BY_COLUMNS)
-      issue_dq<BF16, DQ_N, DQ_KEYS>(dq, ds_tile, base + L::K + consumer * L::KV_PANEL);
+    if constexpr (Split::HOW == Split::BY_ROWS)
+      issue_dq<BF16, DQ_N, Split::KEYS>(dq, ds_tile + consumer * L::DS_PANEL, base + L::K);
+    else if constexpr (Split::HOW == Split::BY_COLUMNS)
+      issue_dq<BF16, DQ_N, Split::KEYS>(dq, ds_tile, base + L::K + consumer * L::KV_PANEL);
     else
-      issue_dq<BF16, DQ_N, DQ_KEYS>(dq, ds_tile + consumer * 64 * 128, k_rows);
+      issue_dq<BF16, DQ_N, Split::KEYS>(dq, ds_tile + consumer * 64 * 128, k_rows);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(dq);
@@ -404,16 +447,32 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
     __syncwarp();
     if (lane == 0) mbar_arrive(L::empty(base, s));  // this warp is done with Q, dO, lse, delta of stage s
 
-    float* dq_head = p.dq_accum + ((long long)w.b * p.heads_q + hq) * p.seqlen_q * p.dq_row;
+    if constexpr (DQB) {
+      // stage the part for the writer warp (its previous bulk reductions have read the last one)
+      mbar_wait(L::dq_empty(base), (i & 1) ^ 1);
+      const u32 part = base + L::DQ + consumer * L::DQ_PART;
 #pragma unroll
-    for (int c = 0; c < DQ_N / 8; ++c)
+      for (int c = 0; c < DQ_N / 8; ++c)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = m0 + dq_row0 + warp_in_group * 16 + g + half * 8;
-        const int col = dq_col0 + c * 8 + 2 * t4;
-        if (row < vis.seqlen_q) red_add_v2(dq_head + (long long)row * p.dq_row + col, dq[4 * c + 2 * half],
-                                           dq[4 * c + 2 * half + 1]);
-      }
+        for (int half = 0; half < 2; ++half) {
+          const int row = warp_in_group * 16 + g + half * 8;
+          st_shared_v2(part + row * L::DQ_ROW + (c * 8 + 2 * t4) * 4, dq[4 * c + 2 * half], dq[4 * c + 2 * half + 1]);
+        }
+      fence_async_shared();
+      __syncwarp();
+      if (lane == 0) mbar_arrive(L::dq_full(base));
+    } else {
+      float* dq_head = p.dq_accum + ((long long)w.b * p.heads_q + hq) * p.seqlen_q * p.dq_row;
+#pragma unroll
+      for (int c = 0; c < DQ_N / 8; ++c)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = m0 + dq_row0 + warp_in_group * 16 + g + half * 8;
+          const int col = dq_col0 + c * 8 + 2 * t4;
+          if (row < vis.seqlen_q) red_add_v2(dq_head + (long long)row * p.dq_row + col, dq[4 * c + 2 * half],
+                                             dq[4 * c + 2 * half + 1]);
+        }
+    }
   }
 
   // Every wgmma that reads K or V (the other consumer's dQ reads all of K) is done: the tiles
@@ -424,20 +483,25 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
   fence_async_shared();
   named_sync(STORE_BARRIER + consumer, 128);
   if (warp_in_group == 0 && lane == 0) {
+    // the block's coordinates read again (volatile): held across the loop they cost a spill slot
+    u32 block;
+    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(block));
+    const int bhk = block / p.num_blocks, n0 = (block - bhk * p.num_blocks) * BN;
+    const int b = bhk / p.heads_kv, hk = bhk - b * p.heads_kv;
 #pragma unroll
     for (int pn = 0; pn < HD / 64; ++pn) {
-      tma_store_4d(tdk, k_rows + pn * L::KV_PANEL, pn * 64, w.n0 + consumer * 64, w.hk, w.b);
-      tma_store_4d(tdv, v_rows + pn * L::KV_PANEL, pn * 64, w.n0 + consumer * 64, w.hk, w.b);
+      tma_store_4d(tdk, k_rows + pn * L::KV_PANEL, pn * 64, n0 + consumer * 64, hk, b);
+      tma_store_4d(tdv, v_rows + pn * L::KV_PANEL, pn * 64, n0 + consumer * 64, hk, b);
     }
     tma_store_commit();
     tma_store_wait_read();
   }
 }
 
-template <bool BF16, int HD, int BM, bool MOD>
+template <bool BF16, int HD, int BM, bool MOD, bool DQB>
 DEVI void attention_backward(const AttnParams& p, const TmaMap* tq, const TmaMap* tk, const TmaMap* tv,
                              const TmaMap* tdo, const TmaMap* tdk, const TmaMap* tdv) {
-  using L = Layout<HD, BM>;
+  using L = Layout<HD, BM, DQB>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const u32 raw = smem_u32(smem_raw);
   const u32 base = (raw + 1023) & ~1023u;  // swizzle atoms need 1024-byte alignment
@@ -453,16 +517,20 @@ DEVI void attention_backward(const AttnParams& p, const TmaMap* tq, const TmaMap
       mbar_init(L::full(base, s), FULL_ARRIVALS);
       mbar_init(L::empty(base, s), CONSUMER_WARPS);
     }
+    mbar_init(L::dq_full(base), CONSUMER_WARPS);
+    mbar_init(L::dq_empty(base), 1);
     mbar_init_fence();
   }
   __syncthreads();
 
   if (threadIdx.x < 128) {
     regs_dealloc<PRODUCER_REGS>();
-    if (threadIdx.x < 32 && w.steps > 0) produce<HD, BM>(p, w, base, lse_s, delta_s, tq, tk, tv, tdo);
+    if (threadIdx.x < 32 && w.steps > 0) produce<HD, BM, DQB>(p, w, base, lse_s, delta_s, tq, tk, tv, tdo);
+    if constexpr (DQB)
+      if (threadIdx.x >= 32 && threadIdx.x < 64 && w.steps > 0) write_dq<HD, BM>(p, w, base);
   } else {
     regs_alloc<CONSUMER_REGS>();
-    consume<BF16, HD, BM, MOD>(p, w, vis, base, lse_s, delta_s, tdk, tdv);
+    consume<BF16, HD, BM, MOD, DQB>(p, w, vis, base, lse_s, delta_s, tdk, tdv);
   }
 }
 
@@ -473,7 +541,8 @@ extern "C" __global__ void __launch_bounds__(sm90_bwd::THREADS, 1)
                     const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tdo,
                     const __grid_constant__ TmaMap tdk, const __grid_constant__ TmaMap tdv) {
   static_assert(BLOCK_N == sm90_bwd::BN, "the kernel's roles fix 128 keys per block");
-  static_assert(sm90_bwd::Layout<HEAD_DIM, BLOCK_M>::BYTES + 1024 == SHARED_BYTES,
+  static_assert(sm90_bwd::Layout<HEAD_DIM, BLOCK_M, DQ_BULK != 0>::BYTES + 1024 == SHARED_BYTES,
                 "variants.py's shared_bytes() disagrees with the kernel's layout");
-  sm90_bwd::attention_backward<IS_BF16 != 0, HEAD_DIM, BLOCK_M, SCORE_MOD != 0>(p, &tq, &tk, &tv, &tdo, &tdk, &tdv);
+  sm90_bwd::attention_backward<IS_BF16 != 0, HEAD_DIM, BLOCK_M, SCORE_MOD != 0, DQ_BULK != 0>(p, &tq, &tk, &tv, &tdo,
+                                                                                            &tdk, &tdv);
 }
