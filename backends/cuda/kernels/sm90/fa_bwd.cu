@@ -6,15 +6,15 @@
 // - warpgroup 0, the producer, gives back most of its registers; one of its threads loads K and
 //   V once and then Q and dO of each step through a 2-stage TMA ring, its warp copies the step's
 //   lse (log2 units, +inf past the sequence end) and delta rows beside them, and every lane
-//   arrives on the stage's "full" barrier (the TMA bytes and the 32 arrivals complete it);
+//   arrives on the stage's "full" barrier (the TMA bytes and 33 arrivals complete it);
 // - warpgroups 1 and 2, the consumers, own 64 keys each. Per step of BM queries:
 //     S^T = K Q^T, dP^T = V dO^T     wgmma, both operands in shared memory (K-major)
 //     P^T = exp2(S^T - lse), dS^T = P^T (dP^T - delta) [x softcap'] in registers
 //     dV += P^T dO, dK += dS^T Q     wgmma with A from registers (dO, Q MN-major)
 //     dS^T -> shared memory (double-buffered; a named barrier joins the two consumers)
 //     dQ += dS K                     wgmma, A (dS) and B (K) MN-major in shared memory, each
-//                                    consumer one half of dQ (BM = 64: columns; BM = 128: rows),
-//                                    added to the fp32 dq_accum with red.global.add.v2
+//                                    consumer one half (DqSplit: rows, columns or keys), added
+//                                    to the fp32 dq_accum with red.global.add.v2 (or DQ_BULK)
 // - at the end dK (times the scale) and dV go through the (now free) K and V tiles to TMA stores
 //   that clip at Sk and at the head dims.
 // The schedule is the plain one (each GEMM group waited before the next): no overlap of the
