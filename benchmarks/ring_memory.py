@@ -2,7 +2,9 @@
 
     python -m benchmarks.ring_memory --out benchmarks/results/cpu-2026-12-01
 
-Each P runs as P spawned processes (gloo, a file rendezvous). Every rank builds its own shards of
+Methods: the ring with whole K/V blocks (the default), the ring with K/V in pieces
+(``kv_pieces``, `--kv-pieces`) and the all-gather exchange. Each P runs as P spawned
+processes (gloo, a file rendezvous). Every rank builds its own shards of
 q, k, v and dout (``S / P`` rows each), then measures one ``ring_attention`` forward + backward
 the way benchmarks/memory.py measures a call on the CPU: torch's CPU allocations are invisible
 to tracemalloc, so the rank resets the kernel's high-water mark (``/proc/self/clear_refs``)
@@ -26,6 +28,8 @@ from pathlib import Path
 import torch
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+# what each measured method passes to ring_attention ("ring_pieces" also gets --kv-pieces)
+METHODS = {"ring": dict(exchange="ring"), "ring_pieces": dict(exchange="ring"), "allgather": dict(exchange="allgather")}
 
 
 def _status(key: str) -> int:
@@ -72,20 +76,22 @@ def _worker(rank: int, world: int, rendezvous: str, cfg: dict, outdir: str) -> N
     input_bytes = sum(t.numel() * t.element_size() for t in (q, k, v, dout))
     found = {"rank": rank, "world": world, "heads": [heads, heads_kv], "input_bytes": input_bytes}
 
-    def ring(exchange):
+    def ring(method):
+        options = dict(METHODS[method], kv_pieces=cfg["kv_pieces"]) if method == "ring_pieces" else METHODS[method]
+
         def call():
-            ring_attention(q, k, v, causal=cfg["causal"], sharding="zigzag", exchange=exchange).backward(dout)
+            ring_attention(q, k, v, causal=cfg["causal"], sharding="zigzag", **options).backward(dout)
         return call
 
-    for exchange in cfg["exchanges"]:
-        if exchange == "allgather" and world == 1:
+    for method in cfg["methods"]:
+        if method != "ring" and world == 1:  # one rank: nothing travels, every method is the plain ring
             continue
-        ring(exchange)()  # warm-up: dispatch decisions, gloo buffers
+        ring(method)()  # warm-up: dispatch decisions, gloo buffers
         q.grad = k.grad = v.grad = None
         dist.barrier()
-        peak, seconds = _measure(ring(exchange))
+        peak, seconds = _measure(ring(method))
         q.grad = k.grad = v.grad = None
-        found[exchange] = {"peak_bytes": peak, "seconds": seconds}
+        found[method] = {"peak_bytes": peak, "seconds": seconds}
         dist.barrier()
     if world == 1:
         def plain():
@@ -140,29 +146,31 @@ def report(result: dict) -> str:
              "gradients, K/V and dK/dV blocks in flight, tiles. Inputs = the rank's q, k, v and dout shards. "
              "Max over ranks. \"/ P=1\" = peak / ring peak at P = 1 (ideal: 1/P).", "",
              "Total = inputs + peak: what the rank holds at the peak, its shards included.", "",
-             "Reading it: every rank holds its output, dQ and one block's dK/dV accumulators (shards: they "
-             "fall as 1/P), plus, with P >= 2, the K/V block in hand and the next one arriving (shards too, "
-             "but one rank does not need them): the price of overlapping each K/V transfer with compute. "
-             "dK/dV accumulators are swapped with the neighbours piece by piece into the same buffers, and "
-             "each block's backward runs on the backend's kernel in pieces of a quarter chunk, so neither "
-             "adds a block-sized copy. Hence the peak falls as 1/P from P = 2 on, and less from P = 1 to 2 "
-             "(where, for MHA, K/V in flight are as large as everything else). The all-gather variant "
-             "keeps the whole K/V, and dK/dV of every block in its backward, so it falls slowly, as its size "
-             "rule expects (docs/distributed.md).", ""]
+             f"Methods: `ring` (whole K/V blocks travel, the default), `ring_pieces` (`kv_pieces={cfg['kv_pieces']}`: "
+             "each block travels in that many pieces, one piece all the way round the ring before the next), "
+             "`allgather` (every rank gathers the whole K/V once). With one rank nothing travels: only `ring` runs.", "",
+             "Reading it: every rank holds its output, dQ and its block's dK/dV (shards: they fall as 1/P). With "
+             "whole blocks and P >= 2 it also holds the K/V block in hand and the next one arriving (and in the "
+             "backward the dK/dV accumulators of the block in hand), the price of overlapping each transfer with "
+             "compute: the peak falls less than 1/P from P = 1 to 2. In pieces, those are two pieces of K/V and one "
+             "of accumulators, so the peak falls about as 1/P from P = 1 on; the transfers still overlap the "
+             "compute, piece by piece, for more messages and local calls. The all-gather variant keeps the whole "
+             "K/V, and dK/dV of every block in its backward, so it falls slowly, as its size rule expects "
+             "(docs/distributed.md).", ""]
     groups: dict = {}
     for row in result["ranks"]:
         groups.setdefault(tuple(row["heads"]), {}).setdefault(row["world"], []).append(row)
     for (heads, heads_kv), by_world in groups.items():
         kind = "MHA" if heads == heads_kv else "GQA"
         lines += [f"## Hq = {heads}, Hkv = {heads_kv} ({kind})", "",
-                  "| P | exchange | inputs per rank (MiB) | peak per rank (MiB) | / P=1 | total (MiB) | / P=1 | "
+                  "| P | method | inputs per rank (MiB) | peak per rank (MiB) | / P=1 | total (MiB) | / P=1 | "
                   "ideal 1/P | seconds |",
                   "|---|---|---|---|---|---|---|---|---|"]
         base = max(r["ring"]["peak_bytes"] for r in by_world[1]) if 1 in by_world else None
         base_total = base + by_world[1][0]["input_bytes"] if base is not None else None
         for world in sorted(by_world):
             ranks = by_world[world]
-            for method in ("ring", "allgather", "attnx.attention"):
+            for method in ("ring", "ring_pieces", "allgather", "attnx.attention"):
                 if method not in ranks[0]:
                     continue
                 peak = max(r[method]["peak_bytes"] for r in ranks)
@@ -170,12 +178,13 @@ def report(result: dict) -> str:
                 total = peak + ranks[0]["input_bytes"]
                 ratio = f"{peak / base:.2f}" if base else "-"
                 total_ratio = f"{total / base_total:.2f}" if base_total else "-"
-                label = "none: `attnx.attention`, one process" if method == "attnx.attention" else method
+                label = {"attnx.attention": "none: `attnx.attention`, one process",
+                         "ring_pieces": f"ring, kv_pieces={cfg['kv_pieces']}"}.get(method, method)
                 lines.append(f"| {world} | {label} | {_mib(ranks[0]['input_bytes'])} | {_mib(peak)} | {ratio} | "
                              f"{_mib(total)} | {total_ratio} | {1 / world:.2f} | {seconds:.1f} |")
         lines += ["", "Every rank (MiB): " + "; ".join(
             f"P={w} " + ", ".join(f"{m} " + " / ".join(_mib(r[m]['peak_bytes']) for r in by_world[w])
-                                  for m in ("ring", "allgather") if m in by_world[w][0])
+                                  for m in ("ring", "ring_pieces", "allgather") if m in by_world[w][0])
             for w in sorted(by_world)), ""]
     return "\n".join(lines)
 
@@ -187,7 +196,8 @@ def main(argv=None) -> None:
     parser.add_argument("--problems", nargs="+", default=["4x4", "8x2"], help="Hq x Hkv of each problem")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--exchanges", nargs="+", default=["ring", "allgather"])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--kv-pieces", type=int, default=8, help="kv_pieces of the ring_pieces method")
     parser.add_argument("--full", action="store_true", help="not causal")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--name", default="ring_memory", help="file name (without suffix) of the results in --out")
@@ -199,7 +209,7 @@ def main(argv=None) -> None:
     cores = os.cpu_count() or 1
     problems = [[int(n) for n in p.split("x")] for p in args.problems]
     cfg = dict(seqlen=args.seqlen, batch=args.batch, problems=problems, head_dim=args.head_dim, worlds=args.worlds,
-               exchanges=args.exchanges, causal=not args.full, threads=1, cores=cores, machine=platform.machine(),
+               methods=args.methods, kv_pieces=args.kv_pieces, causal=not args.full, threads=1, cores=cores, machine=platform.machine(),
                torch=torch.__version__,
                date=datetime.date.today().isoformat(),
                command="python -m benchmarks.ring_memory " + " ".join(argv if argv is not None else
