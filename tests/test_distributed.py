@@ -46,6 +46,16 @@ CASES = {
     "default_tiles_causal_zigzag_gqa": dict(causal=True, heads_kv=2, tiles=None),
     "bfloat16_causal_zigzag_gqa_bshd": dict(causal=True, heads_kv=2, layout="bshd", dtype=torch.bfloat16),
     "float64_window_sinks_allgather": dict(window=(5, 3), sinks=True, dtype=torch.float64, exchange="allgather"),
+    # K/V in pieces: uneven slices of each chunk, more pieces than a chunk has rows (empty pieces at P = 4)
+    "pieces_causal_zigzag": dict(causal=True, kv_pieces=3),
+    "pieces_window_offset_contiguous_gqa_bshd": dict(window=(4, 2), offset=3, sharding="contiguous", heads_kv=2,
+                                                     layout="bshd", kv_pieces=2),
+    "pieces_softcap_alibi_sinks_zigzag_dv": dict(causal=True, softcap=2.0, alibi="heads", sinks=True, head_dim_v=12,
+                                                 kv_pieces=5),
+    "pieces_masked_ranks": dict(causal=True, sharding="contiguous", offset="-half", kv_pieces=2),
+    "pieces_float64_window_torch_rule": dict(window=(5, 3), dtype=torch.float64, kv_pieces=4),
+    "pieces_default_tiles_auto_bfloat16_gqa": dict(causal=True, heads_kv=2, dtype=torch.bfloat16, tiles=None,
+                                                   kv_pieces=3, exchange="auto"),
 }
 # float32 is the contract; bfloat16 also rounds each block's output before the merge, and
 # float64 is limited by the float32 lse the backends return
@@ -87,7 +97,7 @@ def _check_case(case: dict, rank: int, world: int) -> None:
 
     import importlib
 
-    from attnx.distributed import block_backward
+    from attnx.distributed import block_backward, exchange
 
     modules = {name: importlib.import_module(f"attnx.distributed.{name}") for name, _ in TINY_TILES}
     defaults = {key: getattr(modules[key[0]], key[1]) for key in TINY_TILES}
@@ -105,12 +115,27 @@ def _check_case(case: dict, rank: int, world: int) -> None:
 
     block_backward.attention_backward = counted("kernel", originals[0])
     block_backward.backward_block = counted("torch", originals[1])
+    sent_rows = []  # rows of every (B, H, rows, W) tensor sent around the ring
+    original_shift = exchange.Ring.shift
+
+    def shift(self, tensors, tag, out=None):
+        sent_rows.extend(t.shape[2] for t in tensors if t.dim() == 4)
+        return original_shift(self, tensors, tag, out)
+
+    exchange.Ring.shift = shift
     try:
         _compare(case, rank, world, dist)
     finally:
         for (name, attr), value in defaults.items():
             setattr(modules[name], attr, value)
         block_backward.attention_backward, block_backward.backward_block = originals
+        exchange.Ring.shift = original_shift
+    pieces = case.get("kv_pieces", 1)
+    if pieces > 1:  # nothing bigger than a piece travels: one slice of each chunk, rounded up
+        chunks = 2 if case.get("sharding", "zigzag") == "zigzag" else 1
+        shard_len = case.get("S", 32) // world
+        most = chunks * -(-(shard_len // chunks) // pieces)
+        assert sent_rows and max(sent_rows) <= most < shard_len, f"sent {sorted(set(sent_rows))}, pieces of {most}"
     if case.get("grad", True) and case.get("offset") != "-half":
         # the backends' own backward kernels with the global lse, unless none takes a given lse:
         # float64 (by default) and naive (it recomputes its normaliser) fall back to the torch-ops rule
@@ -136,7 +161,8 @@ def _compare(case: dict, rank: int, world: int, dist) -> None:
     my_sinks = sinks.clone().requires_grad_(grad) if sinks is not None else None
     with torch.set_grad_enabled(grad):
         out, lse = ring_attention(*part, sharding=sharding, sinks=my_sinks, backend=backend,
-                                  exchange=case.get("exchange", "ring"), return_lse=True, **options)
+                                  exchange=case.get("exchange", "ring"), kv_pieces=case.get("kv_pieces", 1),
+                                  return_lse=True, **options)
         if grad:
             out.backward(shard(dout, rank, world, sharding=sharding, dim=dim))
 
@@ -177,6 +203,16 @@ def _check_errors(rank: int, world: int) -> None:
     # gradients needed on one rank only would leave the others out of the backward
     with pytest.raises(attnx.InvalidArgumentError, match="needs_grad"):
         ring_attention(q.clone().requires_grad_(rank == 0), q, q)
+    # kv_pieces: a rank's own bad value raises there (the others name the rank); ranks that disagree all raise
+    error = attnx.InvalidTypeError if rank == 1 else attnx.InvalidArgumentError
+    with pytest.raises(error, match="kv_pieces|rank"):
+        ring_attention(q, q, q, kv_pieces=2.0 if rank == 1 else 2)
+    with pytest.raises(attnx.InvalidArgumentError, match="kv_pieces|rank"):
+        ring_attention(q, q, q, kv_pieces=0 if rank == 0 else 2)
+    with pytest.raises(attnx.InvalidArgumentError, match="different .*kv_pieces"):
+        ring_attention(q, q, q, kv_pieces=2 if rank == 0 else 1)
+    with pytest.raises(attnx.InvalidArgumentError, match="allgather"):  # no ring to cut into pieces
+        ring_attention(q, q, q, kv_pieces=2, exchange="allgather")
     out = ring_attention(q, q, q, causal=True)  # still works
     assert out.shape == q.shape
 
@@ -283,6 +319,46 @@ def test_zigzag_balances_causal_work_and_skips_hidden_blocks():
     assert _scheduled_area(_spec(world, 0, "contiguous", shard_len, offset=-shard_len)) == (0, 0)
     # a window reaches one block back
     assert _scheduled_area(_spec(world, 3, "contiguous", shard_len, window=(2, 0))) == (2, 2 * shard_len ** 2)
+
+
+@pytest.mark.parametrize("sharding", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world, shard_len, count", [(2, 16, 3), (4, 8, 5), (3, 12, 1), (2, 4, 8)])
+def test_kv_pieces_cover_the_block_once(sharding, world, shard_len, count):
+    """The pieces' rows are every row of the block once, at the global positions of the source rank's rows."""
+    from dataclasses import replace
+
+    from attnx.distributed.kv_pieces import kv_pieces
+
+    if sharding == "zigzag" and shard_len % 2:
+        pytest.skip("zigzag shards are even")
+    block = torch.arange(shard_len).view(1, 1, shard_len, 1).float()
+    for rank in range(world):
+        spec = replace(_spec(world, rank, sharding, shard_len), kv_pieces=count)
+        pieces = kv_pieces(spec)
+        assert 1 <= len(pieces) <= count and all(p.rows for p in pieces)
+        rows = torch.cat([p.take(block).flatten() for p in pieces]).long()
+        assert sorted(rows.tolist()) == list(range(shard_len))
+        for src in range(world):
+            positions = shard_positions(src, world, shard_len * world, sharding=sharding)
+            for p in pieces:
+                taken = p.take(block).flatten().long()
+                from_chunks = torch.cat([torch.arange(c.position, c.position + c.length) for c in p.chunks(spec, src)])
+                assert torch.equal(from_chunks, positions[taken])
+        back = torch.zeros_like(block)
+        for p in pieces:
+            p.put(back, p.take(block))
+        assert torch.equal(back, block)
+
+
+def test_kv_pieces_check():
+    from attnx.distributed.rule import check_kv_pieces
+
+    assert check_kv_pieces(4, "auto") == 4 and check_kv_pieces(1, "allgather") == 1
+    for bad, error in ((True, attnx.InvalidTypeError), ("2", attnx.InvalidTypeError), (0, attnx.InvalidArgumentError)):
+        with pytest.raises(error, match="kv_pieces"):
+            check_kv_pieces(bad, "ring")
+    with pytest.raises(attnx.InvalidArgumentError, match="allgather"):
+        check_kv_pieces(2, "allgather")
 
 
 def test_visibility():

@@ -39,6 +39,22 @@ CASES = {
     "no_tokens_at_all": dict(causal=True, lengths=[0, 0]),
     "float64_window_sinks_torch_rule": dict(window=(2, 3), sinks=True, dtype=torch.float64),
     "bfloat16_causal_zigzag_gqa": dict(causal=True, heads_kv=2, dtype=torch.bfloat16),
+    # K/V in pieces: uneven slices of every sequence piece, sequences shorter than the pieces
+    "pieces_causal_zigzag_gqa": dict(causal=True, heads_kv=2, kv_pieces=3),
+    "pieces_window_softcap_alibi_sinks_contiguous": dict(window=(4, 2), softcap=3.0, alibi="batch", sinks=True,
+                                                         sharding="contiguous", kv_pieces=2),
+    "pieces_offset_window_alibi_float64_torch_rule": dict(window=(3, 1), offset=2, alibi="heads", dtype=torch.float64,
+                                                          kv_pieces=4),
+    "pieces_tiny_batch_empty_ranks_auto": dict(causal=True, lengths=[1, 0, 2], kv_pieces=2, exchange="auto"),
+    # queries that continue a longer key sequence (chunked prefill against a prefix): bottom-right per sequence;
+    # a sequence with keys and no queries, one with more queries than keys (its first rows see no key)
+    "prefix_causal_zigzag_gqa": dict(causal=True, heads_kv=2, lengths_k=[9, 4, 1, 20, 3, 15, 2]),
+    "prefix_window_alibi_sinks_contiguous_pieces": dict(window=(4, 2), alibi="batch", sinks=True, sharding="contiguous",
+                                                        lengths_k=[9, 4, 1, 20, 3, 15, 2], kv_pieces=2),
+    "prefix_offset_window_allgather": dict(window=(3, 1), offset=2, exchange="allgather",
+                                           lengths_k=[9, 4, 1, 20, 3, 15, 2]),
+    "prefix_float64_causal_softcap_torch_rule": dict(causal=True, softcap=2.0, dtype=torch.float64,
+                                                     lengths_k=[9, 4, 1, 20, 3, 15, 2]),
 }
 # float32 is the contract; bfloat16 also rounds each local call's output before the merge, and
 # float64 is limited by the float32 lse the backends return
@@ -50,10 +66,11 @@ def _inputs(case: dict):
     heads_q, dim = 4, 8
     heads_kv = case.get("heads_kv", heads_q)
     lengths = case.get("lengths", LENGTHS)
-    cu = torch.tensor([0] + torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist(), dtype=torch.int32)
-    total = int(cu[-1])
-    q, k, v, dout = (torch.randn(total, h, dim, generator=g).to(case.get("dtype", torch.float32))
-                     for h in (heads_q, heads_kv, heads_kv, heads_q))
+    cu, cu_k = (torch.tensor([0] + torch.tensor(n, dtype=torch.long).cumsum(0).tolist(), dtype=torch.int32)
+                for n in (lengths, case.get("lengths_k", lengths)))
+    total, total_k = int(cu[-1]), int(cu_k[-1])
+    q, k, v, dout = (torch.randn(n, h, dim, generator=g).to(case.get("dtype", torch.float32))
+                     for n, h in ((total, heads_q), (total_k, heads_kv), (total_k, heads_kv), (total, heads_q)))
     options = dict(causal=case.get("causal", False), window=case.get("window"), softcap=case.get("softcap"),
                    offset=case.get("offset"))
     if case.get("alibi") == "heads":
@@ -61,25 +78,27 @@ def _inputs(case: dict):
     elif case.get("alibi") == "batch":
         options["alibi_slopes"] = torch.rand(len(lengths), heads_q, generator=g) * 0.5
     sinks = torch.randn(heads_q, generator=g) if case.get("sinks") else None
-    return q, k, v, dout, cu, sinks, options
+    return q, k, v, dout, cu, cu_k, sinks, options
 
 
 def _compare(case: dict, rank: int, world: int, dist) -> None:
-    from attnx.distributed import varlen_block
+    from attnx.distributed import exchange, varlen_block
 
-    q, k, v, dout, cu, sinks, options = _inputs(case)
+    q, k, v, dout, cu, cu_k, sinks, options = _inputs(case)
     sharding, grad, backend = case.get("sharding", "zigzag"), case.get("grad", True), case.get("backend")
     full = [t.clone().requires_grad_(grad) for t in (q, k, v)]
     ref_sinks = sinks.clone().requires_grad_(grad) if sinks is not None else None
     with torch.set_grad_enabled(grad):
-        ref_out, ref_lse = attnx.attention(*full, cu_seqlens_q=cu, cu_seqlens_k=cu, sinks=ref_sinks,
+        ref_out, ref_lse = attnx.attention(*full, cu_seqlens_q=cu, cu_seqlens_k=cu_k, sinks=ref_sinks,
                                            return_lse=True, **options)
         if grad:
             ref_out.backward(dout)
 
     mine = lambda t: shard_varlen(t, cu, rank, world, sharding=sharding)[0]  # noqa: E731
+    mine_k = lambda t: shard_varlen(t, cu_k, rank, world, sharding=sharding)[0]  # noqa: E731
     cu_mine = shard_varlen(q, cu, rank, world, sharding=sharding)[1]
-    part = [mine(t).clone().requires_grad_(grad) for t in (q, k, v)]
+    cu_k_mine = shard_varlen(k, cu_k, rank, world, sharding=sharding)[1]
+    part = [mine(q).clone().requires_grad_(grad)] + [mine_k(t).clone().requires_grad_(grad) for t in (k, v)]
     my_sinks = sinks.clone().requires_grad_(grad) if sinks is not None else None
     ran = {"kernel": 0, "torch": 0}
     original = varlen_block.BlockBackward.add
@@ -90,15 +109,28 @@ def _compare(case: dict, rank: int, world: int, dist) -> None:
         self.kernel_calls = self.torch_pairs = 0
 
     varlen_block.BlockBackward.add = counted
+    sent_rows = []  # rows of every (T, H, W) tensor sent around the ring
+    original_shift = exchange.Ring.shift
+
+    def shift(self, tensors, tag, out=None):
+        sent_rows.extend(t.shape[0] for t in tensors if t.dim() == 3)
+        return original_shift(self, tensors, tag, out)
+
+    exchange.Ring.shift = shift
     try:
         with torch.set_grad_enabled(grad):
-            out, lse = ring_attention(*part, cu_seqlens_q=cu_mine, cu_seqlens_k=cu_mine, sharding=sharding,
+            out, lse = ring_attention(*part, cu_seqlens_q=cu_mine, cu_seqlens_k=cu_k_mine, sharding=sharding,
                                       sinks=my_sinks, backend=backend, exchange=case.get("exchange", "ring"),
-                                      return_lse=True, **options)
+                                      kv_pieces=case.get("kv_pieces", 1), return_lse=True, **options)
             if grad:
                 out.backward(mine(dout))
     finally:
         varlen_block.BlockBackward.add = original
+        exchange.Ring.shift = original_shift
+    longest = max(shard_varlen(k, cu_k, r, world, sharding=sharding)[0].shape[0] for r in range(world))
+    if case.get("kv_pieces", 1) > 1 and longest:  # pieces travel, never a (padded) block
+        assert sent_rows, "nothing travelled around the ring"
+        assert max(sent_rows) < longest or "lengths" in case, f"sent {sorted(set(sent_rows))} of {longest} rows"
 
     # every collective first, so a failed comparison on one rank leaves no other rank waiting
     total_dsinks = None
@@ -114,8 +146,8 @@ def _compare(case: dict, rank: int, world: int, dist) -> None:
     lse_tol = TOL if q.dtype != torch.bfloat16 else dict(atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(lse, mine(ref_lse.t()).t(), **lse_tol, msg="lse")
     if grad:
-        for name, a, b in zip("qkv", part, full):
-            torch.testing.assert_close(a.grad, mine(b.grad), **tol, msg=f"d{name}")
+        for name, a, b, cut in zip("qkv", part, full, (mine, mine_k, mine_k)):
+            torch.testing.assert_close(a.grad, cut(b.grad), **tol, msg=f"d{name}")
         if sinks is not None:
             torch.testing.assert_close(total_dsinks, ref_sinks.grad, **tol, msg="dsinks summed over ranks")
         # the backends' own backward with the given lse; naive recomputes its normaliser and float64
@@ -141,10 +173,10 @@ def _check_errors(rank: int, world: int) -> None:
     shard = torch.randn(int(wrong[-1]), 2, 4)
     with pytest.raises(attnx.InvalidArgumentError, match="shard_varlen"):
         ring_attention(shard, shard, shard, cu_seqlens_q=wrong, cu_seqlens_k=wrong, causal=True)
-    # q and k must hold the same tokens
+    # k cut otherwise than shard_varlen (rank 0 holds none of sequence 0's keys)
     other = cu_mine.clone()
     other[1] = 0
-    with pytest.raises(attnx.InvalidArgumentError):
+    with pytest.raises(attnx.InvalidArgumentError, match="shard_varlen"):
         ring_attention(mine, mine, mine, cu_seqlens_q=cu_mine, cu_seqlens_k=other if rank == 0 else cu_mine)
     # ranks with different numbers of sequences
     one = torch.tensor([0, mine.shape[0]], dtype=torch.int32)
@@ -154,6 +186,12 @@ def _check_errors(rank: int, world: int) -> None:
     # a backend that declines packed calls: raised on every rank before any K/V moves
     with pytest.raises(attnx.NoBackendError):
         ring_attention(mine, mine, mine, cu_seqlens_q=cu_mine, cu_seqlens_k=cu_mine, backend="torch")
+    # kv_pieces: differ between ranks; a rank's own bad value
+    with pytest.raises(attnx.InvalidArgumentError, match="kv_pieces"):
+        ring_attention(mine, mine, mine, cu_seqlens_q=cu_mine, cu_seqlens_k=cu_mine, kv_pieces=3 if rank else 2)
+    error = attnx.InvalidTypeError if rank == 0 else attnx.InvalidArgumentError
+    with pytest.raises(error, match="kv_pieces|rank"):
+        ring_attention(mine, mine, mine, cu_seqlens_q=cu_mine, cu_seqlens_k=cu_mine, kv_pieces=None if rank == 0 else 2)
     # options differ between ranks
     with pytest.raises(attnx.InvalidArgumentError, match="options"):
         ring_attention(mine, mine, mine, cu_seqlens_q=cu_mine, cu_seqlens_k=cu_mine, causal=rank == 0)
@@ -268,6 +306,36 @@ def test_window_blocks_group_by_offset():
                 if visibility(qc.position, qc.length, kc.position, kc.length, 3, 1) != NONE]
     assert covered == expected and len(expected) == 3
     assert {c.offset for c in calls} == {-5, -8, -2}  # one per distinct offset: 0 - 5, 0 - 8, 0 - 2
+
+
+@pytest.mark.parametrize("sharding", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world, count", [(2, 3), (4, 2), (3, 20)])
+def test_varlen_kv_pieces_cover_each_block_once(sharding, world, count):
+    """Every rank's pieces take each row of its block once, and their slots say each row's position in its sequence."""
+    from attnx.distributed.varlen_pieces import VarlenPieces
+
+    layout = VarlenLayout(LENGTHS, world, sharding)
+    cut = VarlenPieces(layout, count)
+    cu = torch.tensor([0] + torch.tensor(LENGTHS).cumsum(0).tolist(), dtype=torch.int32)
+    within = torch.cat([torch.arange(n) for n in LENGTHS])
+    seq = torch.cat([torch.full((n,), b) for b, n in enumerate(LENGTHS)])
+    for rank in range(world):
+        block = torch.arange(layout.tokens(rank)).view(-1, 1, 1).float()
+        taken = []
+        for j in cut.pieces():
+            piece = cut.take(j, rank, block)
+            assert piece.shape[0] == cut.rows[j]
+            chunks = [c for slot in cut.slots(j, rank) for c in slot if c.length]
+            rows = torch.cat([piece.flatten()[c.start:c.start + c.length] for c in chunks]).long()
+            expected = torch.cat([torch.arange(c.position, c.position + c.length) for c in chunks])
+            assert torch.equal(shard_varlen(within, cu, rank, world, sharding=sharding)[0][rows], expected)
+            assert torch.equal(shard_varlen(seq, cu, rank, world, sharding=sharding)[0][rows],
+                               torch.cat([torch.full((c.length,), c.seq) for c in chunks]))
+            taken += rows.tolist()
+            back = torch.zeros_like(block)
+            cut.put(j, rank, back, piece)
+            assert torch.equal(back.flatten()[rows], rows.float())
+        assert sorted(taken) == list(range(layout.tokens(rank)))
 
 
 def test_varlen_errors_before_any_communication():

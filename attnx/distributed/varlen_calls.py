@@ -21,7 +21,7 @@ call per slot pair with something to compute: at most 4 per step (zigzag), 1 (co
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -33,11 +33,30 @@ from .varlen_sharding import SeqChunk, VarlenLayout
 
 @dataclass(frozen=True)
 class VarlenSpec:
-    """A checked packed ring call: the options (``ring``, its ``shard_len`` unused) and the batch's cut."""
+    """A checked packed ring call: the options (``ring``, its ``shard_len`` unused) and the batch's cut.
+
+    ``layout`` is the queries' cut, ``kv_layout`` the keys' (None: the same, self-attention);
+    ``query_shift[b]`` is added to the position of sequence b's queries to align them with its
+    keys: ``Sk_b - Sq_b`` (bottom-right, ``offset=None``), else 0 (``ring.offset`` applies).
+    """
 
     ring: RingSpec
     layout: VarlenLayout
     per_sequence_slopes: bool  # alibi_slopes of (B, Hq)
+    kv_layout: Optional[VarlenLayout] = None
+    query_shift: tuple = ()
+
+    @property
+    def keys(self) -> VarlenLayout:
+        """The keys' cut."""
+        return self.layout if self.kv_layout is None else self.kv_layout
+
+    def query_slots(self, rank: int) -> list:
+        """Rank `rank`'s query pieces, each at its position aligned with its sequence's keys."""
+        slots = self.layout.slots(rank)
+        if not any(self.query_shift):
+            return slots
+        return [[replace(c, position=c.position + self.query_shift[c.seq]) for c in slot] for slot in slots]
 
 
 @dataclass
@@ -89,7 +108,7 @@ def _slopes(spec: VarlenSpec, seqs: list) -> Optional[torch.Tensor]:
 
 def plan_block(spec: VarlenSpec, rank: int, src: int, device) -> list[SubCall]:
     """The varlen calls of rank `rank`'s queries against rank `src`'s K/V block."""
-    return plan_calls(spec, spec.layout.slots(rank), spec.layout.slots(src), device)
+    return plan_calls(spec, spec.query_slots(rank), spec.keys.slots(src), device)
 
 
 def plan_calls(spec: VarlenSpec, q_slots, k_slots, device) -> list[SubCall]:

@@ -2,7 +2,7 @@
 
 The schedule is the dense ring's (`ring.py`, `allgather.py`), with packed shards: rank r's
 K/V block holds its pieces of every sequence, so blocks of different ranks may differ by a few
-rows; they travel padded to the longest shard of the group (`VarlenLayout.max_tokens`), and the
+rows; they travel padded to the longest K/V shard of the group (`VarlenLayout.max_tokens`), and the
 dK/dV accumulators likewise, so every transfer has one shape on every rank. The local calls are
 `varlen_block` (one varlen call per group of pieces, `varlen_calls`).
 """
@@ -21,7 +21,7 @@ TAG_KV, TAG_DKV = 30, 40  # message tags: k/v are TAG + 0/1
 
 def _padded(spec: VarlenSpec, t: torch.Tensor) -> torch.Tensor:
     """`t` ``(T_rank, H, D)`` as a contiguous ``(T_max, H, D)`` block, zero rows after its own."""
-    block = t.new_zeros((spec.layout.max_tokens(),) + tuple(t.shape[1:]))
+    block = t.new_zeros((spec.keys.max_tokens(),) + tuple(t.shape[1:]))
     block.narrow(0, 0, t.shape[0]).copy_(t)
     return block
 

@@ -27,8 +27,8 @@ class VarlenPiecedRingAttention(torch.autograd.Function):
     def forward(ctx, spec: VarlenSpec, q, k, v, sinks):
         size, rank = spec.ring.world_size, spec.ring.rank
         ring = Ring(spec.ring.group, rank, size, q.device)
-        cut = VarlenPieces(spec.layout, spec.ring.kv_pieces)
-        q_slots = spec.layout.slots(rank)
+        cut = VarlenPieces(spec.keys, spec.ring.kv_pieces)
+        q_slots = spec.query_slots(rank)
         calls = {(j, src): plan_calls(spec, q_slots, cut.slots(j, src), q.device)
                  for j in cut.pieces() for src in range(size)}
 

@@ -4,8 +4,8 @@ As the dense ring (`validate.py`): the rank's own arguments first (the varlen co
 `attnx.attention` on the shard, whether a backend takes the calls), then one all-gather of a
 signature so every rank raises when one rank's arguments were rejected or the ranks disagree.
 Then a second small all-gather of each rank's share of every sequence (its ``cu_seqlens``):
-every rank learns the whole batch's cut (`VarlenLayout`) and checks it is the sharding's, so
-every rank raises the same error when it is not.
+every rank learns the whole batch's cut of queries and of keys (`VarlenLayout`, one each) and
+checks it is the sharding's, so every rank raises the same error when it is not.
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import operator
 import zlib
 
 import torch
-import torch.distributed as dist
 
 from ..api import plan
 from ..errors import AttnxError, InvalidArgumentError
@@ -33,14 +32,13 @@ _FIELDS = ("rejected", "batch", "heads_q", "heads_kv", "head_dim", "head_dim_v",
 
 def _local(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, sharding, causal, window, offset,
            scale, softcap, alibi_slopes, sinks, layout, backend, exchange, kv_pieces):
-    """``(Problem, this rank's cu_seqlens values)``: typed errors for the rank's own arguments, no communication."""
+    """``(Problem, this rank's cu_seqlens_q and cu_seqlens_k values, one list)``: typed errors for the rank's own
+    arguments, no communication."""
     p = make_problem(q, k, v, causal=causal, window=window, offset=offset, scale=scale, softcap=softcap,
                      alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, layout=layout)
     cu = read_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
-    if read_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0]) != cu:
-        raise InvalidArgumentError("`cu_seqlens_q` and `cu_seqlens_k` must be equal: across the ring, q, k and v "
-                                   "shards hold the same tokens (self-attention)")
+    cu += read_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0])  # as long: make_problem checked B
     check_sharding(sharding)
     if exchange not in EXCHANGES:
         raise InvalidArgumentError(f"`exchange` must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
@@ -94,17 +92,24 @@ def check_varlen_call(q, k, v, *, group, cu_seqlens_q, cu_seqlens_k, max_seqlen_
         cus = _agree(group, world_size, cu, device)
     else:
         cus = [cu]
-    layout = _layout_from_shards(cus, sharding, "cu_seqlens_q")
+    half = len(cus[0]) // 2
+    layout = _layout_from_shards([cu[:half] for cu in cus], sharding, "cu_seqlens_q")
+    kv_layout = _layout_from_shards([cu[half:] for cu in cus], sharding, "cu_seqlens_k")
+    if kv_layout.lengths == layout.lengths:  # self-attention
+        kv_layout = None
     kv_pieces = operator.index(kv_pieces)
     if exchange == "auto" and kv_pieces > 1:  # the least memory: only the ring gives it
         exchange = "ring"
     if exchange == "auto":
         row_bytes = k.shape[1] * k.shape[2] * k.element_size() + v.shape[1] * v.shape[2] * v.element_size()
         q_bytes = q.shape[1] * q.shape[2] * q.element_size() * layout.max_tokens()
-        exchange = choose_exchange(world_size, q_bytes, row_bytes * layout.max_tokens())
+        exchange = choose_exchange(world_size, q_bytes, row_bytes * (kv_layout or layout).max_tokens())
     ring = RingSpec(group=group, rank=rank, world_size=world_size, sharding=sharding, layout="varlen",
                     shard_len=layout.tokens(rank), scale=p.scale, softcap=p.softcap, window_left=p.window_left,
                     window_right=p.window_right, offset=0 if offset is None else operator.index(offset),
                     alibi_slopes=alibi_slopes, backend=backend, exchange=exchange, kv_pieces=kv_pieces)
-    return VarlenSpec(ring=ring, layout=layout,
+    shift = ()
+    if kv_layout is not None and offset is None:  # bottom-right: each sequence's queries end with its keys
+        shift = tuple(n_k - n_q for n_q, n_k in zip(layout.lengths, kv_layout.lengths))
+    return VarlenSpec(ring=ring, layout=layout, kv_layout=kv_layout, query_shift=shift,
                       per_sequence_slopes=alibi_slopes is not None and alibi_slopes.dim() == 2)
