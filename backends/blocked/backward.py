@@ -10,7 +10,7 @@ from every row's lse and delta (`attnx.inputs.sinks_grad`).
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -32,7 +32,7 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t)
 
 
-def refine_lse(ops: Operands, q_tile, lse_tile, i0: int, i1: int, lo: int, hi: int, block_n: int, buffer):
+def refine_lse(ops: Operands, q_tile, lse_tile, i0: int, i1: int, lo: int, hi: int, block_n: int, buffers):
     """Base-2 lse in the accumulation dtype from the float32 one: ``lse + log2(sum exp2(s - lse))``.
 
     The forward's lse is float32; float64 inputs need the exact denominator in float64
@@ -42,7 +42,7 @@ def refine_lse(ops: Operands, q_tile, lse_tile, i0: int, i1: int, lo: int, hi: i
     total = torch.zeros_like(lse_tile)
     for j0 in range(lo, hi, block_n):
         j1 = min(j0 + block_n, hi)
-        s = score_tile(ops, q_tile, i0, i1, j0, j1, tile_view(buffer, ops, i1 - i0, j1 - j0))
+        s = score_tile(ops, q_tile, i0, i1, j0, j1, tile_view(buffers.scores, ops, i1 - i0, j1 - j0), buffers)
         total.add_(s.sub_(lse_tile).exp2_().sum(dim=-1, keepdim=True))
     if ops.sinks5 is not None:
         total.add_((ops.sink_rows(i1 - i0) - lse_tile).exp2_())
@@ -106,6 +106,27 @@ class KeyGradients:
             self.dmask = shared_mask_grad if shared_mask_grad is not None else MaskGradient(ops)
 
 
+class BackwardBuffers(NamedTuple):
+    """One worker's scratch, reused by every tile (K / V None where their tiles are used in place)."""
+
+    scores: torch.Tensor
+    dp: torch.Tensor
+    tanh: Optional[torch.Tensor]       # softcap only
+    key_grad: torch.Tensor             # one tile of dK or dV before it is added
+    keys: Optional[torch.Tensor]       # whole converted tiles (`Operands.kv_buffers`)
+    values: Optional[torch.Tensor]
+    product: None = None               # tiles are never split into chunks here (`kv.key_scores`)
+
+    @classmethod
+    def of(cls, ops: Operands, tiles: TileSizes) -> "BackwardBuffers":
+        p = ops.p
+        tile = functools.partial(scratch, ops, tiles.block_m, tiles.block_n)
+        key_grad = torch.empty(ops.batch_heads * tiles.block_n * max(p.head_dim, p.head_dim_v), dtype=ops.acc,
+                               device=ops.k.device)
+        return cls(tile(), tile(), tile() if p.softcap is not None else None, key_grad,
+                   *ops.kv_buffers(tiles.block_n))
+
+
 def rows_backward(ops: Operands, grads: KeyGradients, i0: int, i1: int, q_tile, do_tile, delta, lse_tile,
                   tiles: TileSizes, buffers) -> torch.Tensor:
     """Accumulate dK, dV, dmask of query rows ``[i0, i1)`` into `grads`; return their dQ tile.
@@ -115,28 +136,31 @@ def rows_backward(ops: Operands, grads: KeyGradients, i0: int, i1: int, q_tile, 
     p = ops.p
     rows = i1 - i0
     lo, hi = key_span(p, i0, i1)
-    scores_buf, dp_buf, tanh_buf, key_buf = buffers
     dq_tile = torch.zeros((ops.batch_heads, p.group_size * rows, p.head_dim), dtype=ops.acc, device=q_tile.device)
     for j0 in range(lo, hi, tiles.block_n):
         j1 = min(j0 + tiles.block_n, hi)
         cols = j1 - j0
-        tanh_tile = None if tanh_buf is None else tile_view(tanh_buf, ops, rows, cols)
-        probs = score_tile(ops, q_tile, i0, i1, j0, j1, tile_view(scores_buf, ops, rows, cols), tanh_tile)
+        tanh_tile = None if buffers.tanh is None else tile_view(buffers.tanh, ops, rows, cols)
+        keys = ops.key_tile(j0, j1, buffers.keys)
+        probs = score_tile(ops, q_tile, i0, i1, j0, j1, tile_view(buffers.scores, ops, rows, cols), buffers,
+                           tanh_tile, keys=keys)
         probs.sub_(lse_tile).exp2_()
         # into a contiguous tile, then added: baddbmm_ into a strided slice loops over the batch
-        key_grad = torch.bmm(probs.transpose(1, 2), do_tile, out=key_buf[: ops.batch_heads * cols * p.head_dim_v]
+        key_grad = torch.bmm(probs.transpose(1, 2), do_tile,
+                             out=buffers.key_grad[: ops.batch_heads * cols * p.head_dim_v]
                              .view(ops.batch_heads, cols, p.head_dim_v))
         grads.dv[:, j0:j1].add_(key_grad)
-        ds = torch.bmm(do_tile, ops.v[:, j0:j1].transpose(1, 2), out=tile_view(dp_buf, ops, rows, cols))
+        values = ops.value_tile(j0, j1, buffers.values)
+        ds = torch.bmm(do_tile, values.transpose(1, 2), out=tile_view(buffers.dp, ops, rows, cols))
         ds.sub_(delta).mul_(probs)
         if grads.dmask is not None:
             grads.dmask.add(ds, i0, i1, j0, j1)
         if tanh_tile is not None:
             ds.mul_(tanh_tile.square_().neg_().add_(1.0))
-        key_grad = torch.bmm(ds.transpose(1, 2), q_tile, out=key_buf[: ops.batch_heads * cols * p.head_dim]
+        key_grad = torch.bmm(ds.transpose(1, 2), q_tile, out=buffers.key_grad[: ops.batch_heads * cols * p.head_dim]
                              .view(ops.batch_heads, cols, p.head_dim))
         grads.dk[:, j0:j1].add_(key_grad, alpha=LN2)  # q_tile holds scale*log2(e)
-        dq_tile.baddbmm_(ds, ops.k[:, j0:j1], alpha=p.scale)
+        dq_tile.baddbmm_(ds, keys, alpha=p.scale)
     return dq_tile
 
 
@@ -154,10 +178,7 @@ def blocked_backward(p: Problem, x: Inputs, out, lse, dout, tiles: TileSizes) ->
 
     def run(starts):
         grads = KeyGradients(ops, shared_mask_grad)
-        tile_buffer = functools.partial(scratch, ops, tiles.block_m, tiles.block_n)
-        key_buffer = torch.empty(ops.batch_heads * tiles.block_n * max(p.head_dim, p.head_dim_v), dtype=ops.acc,
-                                 device=x.q.device)
-        buffers = (tile_buffer(), tile_buffer(), tile_buffer() if p.softcap is not None else None, key_buffer)
+        buffers = BackwardBuffers.of(ops, tiles)
         for i0 in starts:
             i1 = min(i0 + tiles.block_m, p.seqlen_q)
             lo, hi = key_span(p, i0, i1)
@@ -171,7 +192,7 @@ def blocked_backward(p: Problem, x: Inputs, out, lse, dout, tiles: TileSizes) ->
             lse_tile.masked_fill_(lse_tile == float("-inf"), INF)
             q_tile = ops.q_tile(i0, i1)  # times scale * log2(e)
             if ops.acc != torch.float32:  # float64: the float32 lse is not exact enough
-                lse_tile = refine_lse(ops, q_tile, lse_tile, i0, i1, lo, hi, tiles.block_n, buffers[0])
+                lse_tile = refine_lse(ops, q_tile, lse_tile, i0, i1, lo, hi, tiles.block_n, buffers)
             if sink_grad is not None:
                 sink_grad.record(i0, i1, delta, lse_tile)
             dq_tile = rows_backward(ops, grads, i0, i1, q_tile, do_tile, delta, lse_tile, tiles, buffers)

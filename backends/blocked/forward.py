@@ -1,7 +1,8 @@
 """Forward: query tiles outside, key tiles inside, online softmax in the accumulation dtype."""
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -9,12 +10,17 @@ from attnx.autograd import alloc_out
 from attnx.inputs import Inputs
 from attnx.problem import Problem
 
+from . import kv
 from .operands import LN2, Operands, prepare
-from .parallel import map_tiles
+from .parallel import map_tiles, worker_count
 from .scores import score_tile
-from .tiles import TileSizes, key_count, key_span
+from .tiles import TileSizes, key_span
 
 NEG_INF = float("-inf")
+# Few query tiles (decode): key pieces per worker, so a worker the OS deschedules on a loaded
+# machine leaves its later pieces to the others; each piece at least this many keys.
+PIECES_PER_WORKER = 2
+MIN_KEYS_PER_PIECE = 1024
 
 
 def scratch(ops: Operands, rows: int, cols: int) -> torch.Tensor:
@@ -46,37 +52,109 @@ def add_sink(ops: Operands, rows: int, row_max, row_sum, acc) -> torch.Tensor:
     return new_max
 
 
-def attend_rows(ops: Operands, i0: int, i1: int, tiles: TileSizes, buffer: torch.Tensor):
-    """``(out, lse)`` of query rows ``[i0, i1)`` as ``(B*Hkv, G*rows, Dv)`` and ``(B*Hkv, G*rows, 1)``."""
-    p = ops.p
+class Partial(NamedTuple):
+    """One row block's softmax state over some keys (base 2): running max, sum of exp2, unnormalised out."""
+
+    row_max: torch.Tensor   # (B*Hkv, G*rows, 1)
+    row_sum: torch.Tensor   # (B*Hkv, G*rows, 1)
+    acc: torch.Tensor       # (B*Hkv, G*rows, Dv)
+
+
+class Buffers(NamedTuple):
+    """One worker's scratch, reused by every tile: scores, converted K / V chunks (None: read in place)
+    and one chunk's scores before they join the tile."""
+
+    scores: torch.Tensor
+    keys: Optional[torch.Tensor]
+    values: Optional[torch.Tensor]
+    product: Optional[torch.Tensor]
+
+    @classmethod
+    def of(cls, ops: Operands, tiles: TileSizes) -> "Buffers":
+        chunk = min(tiles.block_n, ops.chunk_keys())
+        keys, values = ops.kv_buffers(chunk)
+        product = None if keys is None or chunk == tiles.block_n else scratch(ops, tiles.block_m, chunk)
+        return cls(scratch(ops, tiles.block_m, tiles.block_n), keys, values, product)
+
+
+def attend_keys(ops: Operands, q_tile: torch.Tensor, i0: int, i1: int, lo: int, hi: int, block_n: int,
+                buffers: Buffers) -> Partial:
+    """Online softmax of query rows ``[i0, i1)`` over keys ``[lo, hi)`` (``lo < hi``), `block_n` at a time."""
     rows = i1 - i0
-    lo, hi = key_span(p, i0, i1)
-    q_tile = ops.q_tile(i0, i1)
     row_max = row_sum = acc = None
-    for j0 in range(lo, hi, tiles.block_n):
-        j1 = min(j0 + tiles.block_n, hi)
+    for j0 in range(lo, hi, block_n):
+        j1 = min(j0 + block_n, hi)
         # scores in base 2 (times log2 e): the softmax below uses exp2
-        s = score_tile(ops, q_tile, i0, i1, j0, j1, tile_view(buffer, ops, rows, j1 - j0))
+        s = score_tile(ops, q_tile, i0, i1, j0, j1, tile_view(buffers.scores, ops, rows, j1 - j0), buffers)
         tile_max = s.amax(dim=-1, keepdim=True)
         if row_max is None:
             row_max = tile_max
             s.sub_(safe_max(row_max)).exp2_()
             row_sum = s.sum(dim=-1, keepdim=True)
-            acc = torch.bmm(s, ops.v[:, j0:j1])
+            acc = kv.value_products(s, ops.v, j0, j1, buffers.values, None)
         else:
             new_max = torch.maximum(row_max, tile_max)
             shift = safe_max(new_max)
             rescale = (row_max - shift).exp2_()
             s.sub_(shift).exp2_()
             row_sum.mul_(rescale).add_(s.sum(dim=-1, keepdim=True))
-            acc.mul_(rescale).baddbmm_(s, ops.v[:, j0:j1])
+            kv.value_products(s, ops.v, j0, j1, buffers.values, acc.mul_(rescale))
             row_max = new_max
+    return Partial(row_max, row_sum, acc)
+
+
+def merge(parts: list) -> Partial:
+    """The state over the union of the parts' key ranges (flash-decoding's combine)."""
+    if len(parts) == 1:
+        return parts[0]
+    row_max = functools.reduce(torch.maximum, [part.row_max for part in parts])
+    shift = safe_max(row_max)
+    row_sum, acc = torch.zeros_like(parts[0].row_sum), torch.zeros_like(parts[0].acc)
+    for part in parts:
+        rescale = (part.row_max - shift).exp2_()
+        row_sum.addcmul_(part.row_sum, rescale)
+        acc.addcmul_(part.acc, rescale)
+    return Partial(row_max, row_sum, acc)
+
+
+def finish(ops: Operands, rows: int, part: Partial):
+    """``(out, lse)`` of a row block from its state over all its keys: sinks folded in, normalised."""
+    row_max, row_sum, acc = part
     if ops.sinks5 is not None:
         row_max = add_sink(ops, rows, row_max, row_sum, acc)
     # a row that saw no key (and no sink) has acc = 0 and row_sum = 0: out 0, lse = -inf
     acc.div_(row_sum.clamp_min(torch.finfo(ops.acc).tiny))
     lse = safe_max(row_max).add_(row_sum.log2()).mul_(LN2)
     return acc, lse
+
+
+class WorkItem(NamedTuple):
+    """Query rows ``[i0, i1)`` against keys ``[lo, hi)``; `whole` when that is every key they see."""
+
+    i0: int
+    i1: int
+    lo: int
+    hi: int
+    whole: bool
+
+
+def work_items(p: Problem, tiles: TileSizes) -> list:
+    """Query tiles; when they are fewer than the workers (decode, short chunks), each tile's keys are
+    split into pieces, computed apart and merged (`merge`), so every worker has work."""
+    starts = range(0, p.seqlen_q, tiles.block_m)
+    workers = worker_count(p, len(starts) * max(1, p.seqlen_k // MIN_KEYS_PER_PIECE))
+    pieces = 1 if len(starts) >= workers else -(-workers * PIECES_PER_WORKER // len(starts))
+    items = []
+    for i0 in starts:
+        i1 = min(i0 + tiles.block_m, p.seqlen_q)
+        lo, hi = key_span(p, i0, i1)
+        count = min(pieces, (hi - lo) // MIN_KEYS_PER_PIECE)
+        if count <= 1:  # one item, also when no key is seen (hi <= lo)
+            items.append(WorkItem(i0, i1, lo, hi, True))
+            continue
+        per_piece = -(-(hi - lo) // count)
+        items += [WorkItem(i0, i1, j0, min(j0 + per_piece, hi), False) for j0 in range(lo, hi, per_piece)]
+    return items
 
 
 def fill_keyless_rows(ops: Operands, out5, lse5, sinks: Optional[torch.Tensor], i0: int, i1: int) -> None:
@@ -98,18 +176,30 @@ def blocked_forward(p: Problem, x: Inputs, tiles: TileSizes):
     out5, lse5 = ops.split_heads(out), ops.split_heads(lse)
     split = (p.batch, p.heads_kv, p.group_size)
 
-    def run(starts):
-        buffer = scratch(ops, tiles.block_m, tiles.block_n)
-        for i0 in starts:
-            i1 = min(i0 + tiles.block_m, p.seqlen_q)
-            lo, hi = key_span(p, i0, i1)
-            if hi <= lo:  # no query here sees a key
-                fill_keyless_rows(ops, out5, lse5, x.sinks, i0, i1)
-                continue
-            tile_out, tile_lse = attend_rows(ops, i0, i1, tiles, buffer)
-            out5[:, :, :, i0:i1].copy_(tile_out.view(*split, i1 - i0, p.head_dim_v))
-            lse5[:, :, :, i0:i1].copy_(tile_lse.view(*split, i1 - i0))
+    def write(i0: int, i1: int, part: Partial) -> None:
+        tile_out, tile_lse = finish(ops, i1 - i0, part)
+        out5[:, :, :, i0:i1].copy_(tile_out.view(*split, i1 - i0, p.head_dim_v))
+        lse5[:, :, :, i0:i1].copy_(tile_lse.view(*split, i1 - i0))
 
-    map_tiles(p, range(0, p.seqlen_q, tiles.block_m), run,
-              cost=lambda i0: key_count(p, i0, tiles.block_m))
+    def run(items):
+        buffers = Buffers.of(ops, tiles)
+        pieces = []
+        for item in items:
+            if item.hi <= item.lo:  # no query here sees a key
+                fill_keyless_rows(ops, out5, lse5, x.sinks, item.i0, item.i1)
+                continue
+            part = attend_keys(ops, ops.q_tile(item.i0, item.i1), item.i0, item.i1, item.lo, item.hi,
+                               tiles.block_n, buffers)
+            if item.whole:
+                write(item.i0, item.i1, part)
+            else:
+                pieces.append((item, part))
+        return pieces
+
+    split_rows: dict = {}
+    for pieces in map_tiles(p, work_items(p, tiles), run, cost=lambda item: item.hi - item.lo):
+        for item, part in pieces:
+            split_rows.setdefault((item.i0, item.i1), []).append(part)
+    for (i0, i1), parts in split_rows.items():
+        write(i0, i1, merge(parts))
     return out, lse

@@ -17,15 +17,9 @@ from attnx.limits import LOG2E  # scores are kept in base 2: exp2 is cheaper tha
 from attnx.problem import Problem
 from attnx.reference import accumulation_dtype
 
+from . import kv
+
 LN2 = math.log(2.0)
-
-
-def batched_kv(t: torch.Tensor, batch_heads: int, dtype) -> torch.Tensor:
-    """``(B, Hkv, S, D)`` as ``(B * Hkv, S, D)`` in `dtype`: a view when strides allow, else one copy."""
-    flat = t.reshape(batch_heads, t.shape[2], t.shape[3]).to(dtype)
-    if flat.stride(-1) != 1 and flat.stride(-2) != 1:
-        flat = flat.contiguous()  # BLAS needs one unit stride; copy once, not per tile
-    return flat
 
 
 @dataclass
@@ -34,8 +28,8 @@ class Operands:
 
     p: Problem
     acc: torch.dtype                   # accumulation dtype: float64 for float64, else float32
-    k: torch.Tensor                    # (B*Hkv, Sk, D) in acc
-    v: torch.Tensor                    # (B*Hkv, Sk, Dv) in acc
+    k: torch.Tensor                    # (B, Hkv, Sk, D): the caller's view (tiles via `key_tile`)
+    v: torch.Tensor                    # (B, Hkv, Sk, Dv): the caller's view (tiles via `value_tile`)
     q5: torch.Tensor                   # (B, Hkv, G, Sq, D) view of the caller's q
     mask5: Optional[torch.Tensor]      # (B, Hkv, G, Sq, Sk) view of the expanded mask
     neg_slopes: Optional[torch.Tensor]  # (B*Hkv, G, 1, 1) -alibi slope * log2(e) in acc
@@ -45,6 +39,22 @@ class Operands:
     @property
     def batch_heads(self) -> int:
         return self.p.batch * self.p.heads_kv
+
+    def key_tile(self, j0: int, j1: int, buffer: Optional[torch.Tensor]) -> torch.Tensor:
+        """Keys ``[j0, j1)`` as ``(B*Hkv, cols, D)`` in acc: a view, or a copy into `buffer` (`kv_buffers`)."""
+        return kv.tile(self.k, j0, j1, buffer)
+
+    def value_tile(self, j0: int, j1: int, buffer: Optional[torch.Tensor]) -> torch.Tensor:
+        """Values ``[j0, j1)`` as ``(B*Hkv, cols, Dv)`` in acc: a view, or a copy into `buffer`."""
+        return kv.tile(self.v, j0, j1, buffer)
+
+    def kv_buffers(self, keys: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """One worker's scratch for `keys` converted keys and values (None where tiles are read in place)."""
+        return kv.buffer_for(self.k, self.acc, keys), kv.buffer_for(self.v, self.acc, keys)
+
+    def chunk_keys(self) -> int:
+        """Keys per converted chunk in the forward's products (`kv.key_scores`, `kv.value_products`)."""
+        return min(kv.chunk_keys(self.k), kv.chunk_keys(self.v))
 
     def split_heads(self, t: torch.Tensor) -> torch.Tensor:
         """``(B, Hq, ...)`` view as ``(B, Hkv, G, ...)``."""
@@ -108,7 +118,7 @@ def prepare(p: Problem, x: Inputs) -> Operands:
         sinks5 = (x.sinks.to(acc) * LOG2E).reshape(1, p.heads_kv, p.group_size, 1, 1)
     return Operands(
         p=p, acc=acc,
-        k=batched_kv(x.k, batch_heads, acc), v=batched_kv(x.v, batch_heads, acc),
+        k=x.k, v=x.v,
         q5=x.q.unflatten(1, split),
         mask5=None if x.mask is None else x.mask.unflatten(1, split),
         neg_slopes=neg_slopes, sinks5=sinks5, finite_scores=finite_scores(p, x, acc))

@@ -11,23 +11,29 @@ import torch
 
 from attnx.limits import LOG2E
 
+from . import kv
 from .operands import Operands
 from .tiles import alibi_distance, allowed_tile, tile_is_interior
 
 NEG_INF = float("-inf")
 
 
-def score_tile(ops: Operands, q_tile: torch.Tensor, i0: int, i1: int, j0: int, j1: int,
-               out: torch.Tensor, tanh_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def score_tile(ops: Operands, q_tile: torch.Tensor, i0: int, i1: int, j0: int, j1: int, out: torch.Tensor,
+               buffers, tanh_out: Optional[torch.Tensor] = None, keys: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Final scores of query rows ``[i0, i1)`` against keys ``[j0, j1)`` times log2(e), into `out`.
 
     `q_tile` is ``(B*Hkv, G*rows, D)`` already multiplied by ``scale * log2(e)``; `out` is a
-    contiguous ``(B*Hkv, G*rows, cols)`` buffer. With softcap, `tanh_out` (same shape)
-    receives ``tanh(raw / softcap)`` for the backward's chain rule.
+    contiguous ``(B*Hkv, G*rows, cols)`` buffer. The keys are read through the worker's
+    `buffers` (``.keys`` and ``.product``: `kv.key_scores`), or are `keys` (``ops.key_tile(j0, j1, ...)``)
+    when the caller has them already. With softcap, `tanh_out` (same shape) receives ``tanh(raw / softcap)`` for the
+    backward's chain rule.
     """
     p = ops.p
     rows, cols = i1 - i0, j1 - j0
-    s = torch.bmm(q_tile, ops.k[:, j0:j1].transpose(1, 2), out=out)
+    if keys is not None:
+        s = torch.bmm(q_tile, keys.transpose(1, 2), out=out)
+    else:
+        s = kv.key_scores(q_tile, ops.k, j0, j1, out, buffers.keys, buffers.product)
     if p.softcap is not None:
         s.mul_(1.0 / (p.softcap * LOG2E)).tanh_()
         if tanh_out is not None:

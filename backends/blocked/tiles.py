@@ -18,6 +18,9 @@ from attnx.problem import Problem
 # smaller query blocks lose more to per-op overhead than they gain in cache.
 CPU_BLOCK_N = 512
 CPU_BACKWARD_BLOCK_N = 256
+# Few query rows (decode, short chunks): more keys per forward tile, so per-op overhead is paid
+# over as much work as a 256 x 512 tile, up to this many keys (benchmarks/cpu_decode.py).
+CPU_MAX_BLOCK_N = 2048
 CPU_TILE_ELEMENTS = 1 << 23
 # Accelerators: each op is a kernel launch, so tiles are as large as memory allows.
 GPU_BLOCK_M = 1024
@@ -43,12 +46,16 @@ def _cpu_block_m(seqlen_q: int) -> int:
     return seqlen_q
 
 
+def _cpu_block_n(block_m: int) -> int:
+    return max(CPU_BLOCK_N, min(CPU_MAX_BLOCK_N, 256 * CPU_BLOCK_N // max(1, block_m)))
+
+
 def default_tile_sizes(p: Problem, backward: bool = False) -> TileSizes:
     """The tile sizes the blocked backend uses for `p` (forward, or `backward`) when none are forced."""
     heads = p.batch * p.heads_q
     if p.device_type == "cpu":
         block_m = _cpu_block_m(p.seqlen_q)
-        block_n = CPU_BACKWARD_BLOCK_N if backward else CPU_BLOCK_N
+        block_n = CPU_BACKWARD_BLOCK_N if backward else _cpu_block_n(block_m)
         budget = CPU_TILE_ELEMENTS
     else:
         block_m, block_n, budget = GPU_BLOCK_M, GPU_BLOCK_N, GPU_TILE_ELEMENTS
