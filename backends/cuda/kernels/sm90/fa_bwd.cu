@@ -417,15 +417,18 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
       grads_from_probs<BF16, BM>(st, dpt, dcap, pa, da, delta, t4);
     }
 
-    wgmma_fence();
+    // dS^T to shared memory before the GEMMs that read `da` are issued: the PTX ISA makes any access
+    // to the A-fragment registers of a pending wgmma undefined (wgmma.wait_group), reads included.
+    // Buffer s is free: the other consumer's dQ of step i - 2, its last reader, finished before that
+    // consumer reached barrier 1 at step i - 1 (split by keys each consumer reads only its own rows).
+    stage_ds<BM>(da, ds_tile, key_row, t4);
+
+    wgmma_fence();  // also orders the reads of `da` above before the wgmma reads them
     issue_from_registers<BF16, HD, BM>(dv, pa, do_tile);
     issue_from_registers<BF16, HD, BM>(dk, da, q_tile);
     wgmma_commit();
 
-    // both consumers' dS^T in shared memory (buffer s: the other consumer's dQ of step i - 2, its
-    // last reader, finished before that consumer reached this barrier at step i - 1; split by keys
-    // each consumer reads only its own rows, and the barrier only keeps the consumers in step)
-    stage_ds<BM>(da, ds_tile, key_row, t4);
+    // both consumers' dS^T in shared memory
     fence_async_shared();
     named_sync(STEP_BARRIER, 256);
 
