@@ -28,6 +28,7 @@ forward_module = sys.modules[f"{blocked_pkg.__name__}.forward"]
 backward_module = sys.modules[f"{blocked_pkg.__name__}.backward"]
 parallel_module = sys.modules[f"{blocked_pkg.__name__}.parallel"]
 scores_module = sys.modules[f"{blocked_pkg.__name__}.scores"]
+kv_module = sys.modules[f"{blocked_pkg.__name__}.kv"]
 
 
 @dataclass(frozen=True)
@@ -443,6 +444,73 @@ def test_threaded_path_matches(monkeypatch):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+# few query rows against many keys (decode, short chunks, speculative verification)
+FEW_ROWS = {
+    "decode_gqa": Case(seqlen_q=1, seqlen_k=300, heads_q=6, heads_kv=2),
+    "chunk_causal_sinks_alibi": Case(seqlen_q=5, seqlen_k=300, heads_q=4, heads_kv=2, causal=True, sinks=True,
+                                     alibi="batch"),
+    "window_softcap_mask": Case(seqlen_q=3, seqlen_k=300, window=(70, 0), softcap=2.0, mask="additive",
+                                mask_shape=(1, 1, 3, 300), mask_grad=True),
+    "bshd": Case(seqlen_q=2, seqlen_k=300, layout="bshd", heads_q=4, heads_kv=2),
+    # the first pieces see no key at all: their partial state is empty (max -inf, sum 0)
+    "mask_hides_pieces": Case(seqlen_q=2, seqlen_k=300, mask="bool", mask_shape=(1, 1, 1, 300), sinks=True),
+}
+
+
+@pytest.mark.parametrize("name", list(FEW_ROWS))
+def test_key_pieces_merge(monkeypatch, name):
+    """Fewer query tiles than workers: each tile's keys are split into pieces, run apart and merged."""
+    monkeypatch.setattr(parallel_module, "MIN_PARALLEL_SCORES", 0)
+    monkeypatch.setattr(forward_module, "MIN_KEYS_PER_PIECE", 16)
+    merged = []
+    original = forward_module.merge
+    monkeypatch.setattr(forward_module, "merge", lambda parts: merged.append(len(parts)) or original(parts))
+    case = FEW_ROWS[name]
+    x = make_inputs(case)
+    if name == "mask_hides_pieces":
+        x = x.replace(mask=torch.arange(300) >= 200)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        check_case(case, x=x)
+    finally:
+        torch.set_num_threads(threads)
+    assert merged and min(merged) >= 2, merged
+
+
+def test_key_pieces_cover_the_span():
+    """Pieces of one query tile tile its key span exactly; many query tiles are never split."""
+    p = attnx.make_problem(*(torch.empty(1, 8, s, 64) for s in (1, 5000, 5000)), window=(3000, 0))
+    workers = parallel_module.worker_count(p, 1 << 20)
+    items = forward_module.work_items(p, blocked_pkg.TileSizes(1, 512))
+    lo, hi = forward_module.key_span(p, 0, 1)
+    assert [(i.lo, i.hi) for i in items][0][0] == lo and items[-1].hi == hi
+    assert all(a.hi == b.lo for a, b in zip(items, items[1:]))
+    assert len(items) == (1 if workers == 1 else forward_module.PIECES_PER_WORKER * workers)
+    long_q = attnx.make_problem(*(torch.empty(1, 8, 5000, 64) for _ in range(3)))
+    assert all(i.whole for i in forward_module.work_items(long_q, blocked_pkg.TileSizes(256, 512)))
+
+
+def test_converted_chunks(monkeypatch):
+    """bf16 K/V reach the GEMMs a few keys at a time in float32; no buffer holds more than one tile."""
+    monkeypatch.setattr(kv_module, "CONVERT_ELEMENTS", 1)  # MIN_CHUNK_KEYS keys per chunk
+    sizes = []
+    original = kv_module.buffer_for
+    monkeypatch.setattr(kv_module, "buffer_for", lambda t, acc, keys: sizes.append(keys) or original(t, acc, keys))
+    for layout in ("bshd", "bhsd"):
+        case = Case(seqlen_q=3, seqlen_k=300, heads_q=4, heads_kv=2, layout=layout, causal=True, tiles=(16, 64))
+        x = make_inputs(case, torch.bfloat16)
+        out, lse, grads, dout = run_blocked(case, x)
+        ref_out, ref_lse, ref_grads = run_reference(case, x, dout)
+        # bf16 inputs are exact in float32: only float32 rounding and the output's bf16 rounding remain
+        assert_close("lse", lse, ref_lse, 1e-5)
+        assert_close("out", out, ref_out, 2 ** -8 * ref_out.abs().max().item())
+        _, _, low_grads = run_reference(case, x, dout, compute_dtype=torch.bfloat16)
+        for got, want, low in zip(grads, ref_grads, low_grads):
+            assert_close("grad", got, want, 2 * (low.double() - want).abs().max().item() + 1e-3)
+    assert max(sizes) == 64 and kv_module.MIN_CHUNK_KEYS in sizes  # backward: whole tiles; forward: chunks
 
 
 def test_tile_override(monkeypatch):
