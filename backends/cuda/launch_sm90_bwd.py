@@ -31,7 +31,7 @@ STORE_ROWS = 64  # each consumer warpgroup stores its 64 keys of dk and dv
 def backward_variant_for(p) -> Variant | None:
     """The Hopper backward's specialisation for problem `p`, or None where it has no tile (head dims > 128)."""
     family = family_for(p.capability)
-    if family is None:
+    if family is None or "bwd_wgmma" not in family.sources:  # (TILE_SETS has no entry for other families)
         return None
     tile = head_dim_tile(round8(p.head_dim), round8(p.head_dim_v), family, "bwd_wgmma")
     if tile is None:
@@ -49,7 +49,7 @@ def backward(p, x: Inputs, out, lse, dout, variant: Variant | None = None, *, po
     variant = variant or backward_variant_for(p)
     if variant is None:
         raise InvalidArgumentError(f"the Hopper backward has no tile for head dims {p.head_dim}/{p.head_dim_v} "
-                                   f"on {p.arch} (it covers up to 128)")
+                                   f"on {p.arch} (it runs on sm_90 only, head dims up to 128)")
     device_index = _device_index(x.q)
     d, dvw = round8(p.head_dim), round8(p.head_dim_v)
     delta = (dout.float() * out.float()).sum(-1).contiguous()  # rowsum(dout * out), (B, Hq, Sq)
