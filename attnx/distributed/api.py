@@ -19,8 +19,8 @@ def ring_attention(q, k, v, *, group=None, sharding="zigzag", causal=False, wind
 
     Every rank of `group` calls it at the same time with its shard of one sequence of
     ``S = P * S_local`` tokens (``P`` ranks), cut as `sharding` says (`attnx.distributed.shard`
-    makes the shards). Queries and keys are the same tokens (self-attention), so q, k and v
-    shards hold the same ``S_local`` rows.
+    makes the shards). Dense shards: queries and keys are the same tokens (self-attention), so
+    q, k and v shards hold the same ``S_local`` rows (packed shards may differ, below).
 
     Args:
         q, k, v: the rank's shards, ``(B, Hq, S_local, D)``, ``(B, Hkv, S_local, D)``,
@@ -46,12 +46,13 @@ def ring_attention(q, k, v, *, group=None, sharding="zigzag", causal=False, wind
             1 (the default): whole blocks. 8 suits long sequences (docs/distributed.md,
             "Memory per rank"). Not with ``exchange="allgather"``.
         return_lse: also return ``lse``, float32 ``(B, Hq, S_local)`` (not differentiable).
-        cu_seqlens_q, cu_seqlens_k: packed (varlen) shards: q ``(T_rank, Hq, D)``, k and v
-            ``(T_rank, Hkv, D)`` hold this rank's piece(s) of every sequence of the batch, one
-            sequence after the other, and int32 ``(B + 1,)`` ``cu_seqlens`` (equal values for
-            q and k) say how many rows of each sequence (`attnx.distributed.shard_varlen`
-            cuts a packed batch so). Every sequence is aligned on its own global positions
-            (``offset`` applies to each); ``lse`` is ``(Hq, T_rank)``; ``layout`` is unused.
+        cu_seqlens_q, cu_seqlens_k: packed (varlen) shards: q ``(Tq_rank, Hq, D)``, k and v
+            ``(Tk_rank, Hkv, D)`` hold this rank's piece(s) of every sequence of the batch, one
+            sequence after the other, and int32 ``(B + 1,)`` ``cu_seqlens`` say how many rows of
+            each sequence (`attnx.distributed.shard_varlen` cuts queries and keys so, each by
+            its own ``cu_seqlens``). Every sequence is aligned on its own global positions:
+            bottom-right (its queries are the last ``Sq_b`` of its ``Sk_b`` key positions) or
+            ``offset``, as in `attnx.attention`; ``lse`` is ``(Hq, Tq_rank)``; ``layout`` is unused.
             ``max_seqlen_q``/``max_seqlen_k`` are checked as in `attnx.attention` and
             otherwise unused (the ring reads ``cu_seqlens`` on the host: one sync per call).
 
@@ -75,9 +76,9 @@ def ring_attention(q, k, v, *, group=None, sharding="zigzag", causal=False, wind
     and for packed shards (``full`` = `attnx.distributed.gather_varlen`, which also returns the
     whole batch's ``cu``)::
 
-        (q_all, cu), (k_all, _), (v_all, _) = (full(t, cu_seqlens_q) for t in (q, k, v))
-        out = attnx.attention(q_all, k_all, v_all, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=causal, ...)
-        attnx.distributed.shard_varlen(out, cu, rank, P, sharding=sharding)[0]
+        (q_all, cu_q), (k_all, cu_k), (v_all, _) = full(q, cu_seqlens_q), full(k, cu_seqlens_k), full(v, cu_seqlens_k)
+        out = attnx.attention(q_all, k_all, v_all, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=causal, ...)
+        attnx.distributed.shard_varlen(out, cu_q, rank, P, sharding=sharding)[0]
     """
     check_return_lse(return_lse)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
