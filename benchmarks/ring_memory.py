@@ -83,16 +83,20 @@ def _worker(rank: int, world: int, rendezvous: str, cfg: dict, outdir: str) -> N
             ring_attention(q, k, v, causal=cfg["causal"], sharding="zigzag", **options).backward(dout)
         return call
 
-    for method in cfg["methods"]:
-        if method != "ring" and world == 1:  # one rank: nothing travels, every method is the plain ring
-            continue
+    methods = [m for m in cfg["methods"] if m == "ring" or world > 1]  # one rank: nothing travels, only the ring
+    for method in methods:
         ring(method)()  # warm-up: dispatch decisions, gloo buffers
         q.grad = k.grad = v.grad = None
-        dist.barrier()
-        peak, seconds = _measure(ring(method))
-        q.grad = k.grad = v.grad = None
-        found[method] = {"peak_bytes": peak, "seconds": seconds}
-        dist.barrier()
+    for _ in range(cfg.get("repeat", 1)):  # methods interleaved, so drifting load touches each alike
+        for method in methods:
+            dist.barrier()
+            peak, seconds = _measure(ring(method))
+            q.grad = k.grad = v.grad = None
+            entry = found.setdefault(method, {"peak_bytes": 0, "seconds": float("inf"), "all_seconds": []})
+            entry["peak_bytes"] = max(entry["peak_bytes"], peak)
+            entry["seconds"] = min(entry["seconds"], seconds)
+            entry["all_seconds"].append(seconds)
+    dist.barrier()
     if world == 1:
         def plain():
             attnx.attention(q, k, v, causal=cfg["causal"]).backward(dout)
@@ -141,6 +145,9 @@ def report(result: dict) -> str:
              f"other jobs while measured: times are indicative only); torch {cfg['torch']}; gloo on 127.0.0.1  ",
              f"Problem: fp32, B={cfg['batch']}, D={cfg['head_dim']}, S={cfg['seqlen']:,} tokens in total, "
              f"causal={cfg['causal']}, zigzag sharding; one forward + backward.", "",
+             f"Seconds: one forward + backward, the slowest rank; the fastest of {cfg.get('repeat', 1)} "
+             "(methods interleaved). CPU timings with gloo on one host are not GPU timings: they show the "
+             "cost of more messages and calls, not of NVLink or NCCL.", "",
              "Peak = the most resident memory the call (forward + backward) added beyond its inputs "
              "(VmHWM - VmRSS, the high-water mark reset just before the call): outputs, saved tensors, "
              "gradients, K/V and dK/dV blocks in flight, tiles. Inputs = the rank's q, k, v and dout shards. "
@@ -198,6 +205,8 @@ def main(argv=None) -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--kv-pieces", type=int, default=8, help="kv_pieces of the ring_pieces method")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="measure each method this many times, interleaved: the highest peak, the fastest seconds")
     parser.add_argument("--full", action="store_true", help="not causal")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--name", default="ring_memory", help="file name (without suffix) of the results in --out")
@@ -209,7 +218,7 @@ def main(argv=None) -> None:
     cores = os.cpu_count() or 1
     problems = [[int(n) for n in p.split("x")] for p in args.problems]
     cfg = dict(seqlen=args.seqlen, batch=args.batch, problems=problems, head_dim=args.head_dim, worlds=args.worlds,
-               methods=args.methods, kv_pieces=args.kv_pieces, causal=not args.full, threads=1, cores=cores, machine=platform.machine(),
+               methods=args.methods, kv_pieces=args.kv_pieces, repeat=args.repeat, causal=not args.full, threads=1, cores=cores, machine=platform.machine(),
                torch=torch.__version__,
                date=datetime.date.today().isoformat(),
                command="python -m benchmarks.ring_memory " + " ".join(argv if argv is not None else
