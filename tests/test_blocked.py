@@ -29,6 +29,7 @@ backward_module = sys.modules[f"{blocked_pkg.__name__}.backward"]
 parallel_module = sys.modules[f"{blocked_pkg.__name__}.parallel"]
 scores_module = sys.modules[f"{blocked_pkg.__name__}.scores"]
 kv_module = sys.modules[f"{blocked_pkg.__name__}.kv"]
+pages_module = sys.modules[f"{blocked_pkg.__name__}.pages"]
 
 
 @dataclass(frozen=True)
@@ -511,6 +512,46 @@ def test_converted_chunks(monkeypatch):
         for got, want, low in zip(grads, ref_grads, low_grads):
             assert_close("grad", got, want, 2 * (low.double() - want).abs().max().item() + 1e-3)
     assert max(sizes) == 64 and kv_module.MIN_CHUNK_KEYS in sizes  # backward: whole tiles; forward: chunks
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_paged_forward_reads_pages_per_tile(monkeypatch, page_size, dtype):
+    """Paged keys are gathered a chunk of pages at a time (pieces starting mid-page, empty sequences,
+    packed queries), and give what the naive backend gives on the same pool."""
+    monkeypatch.setattr(parallel_module, "MIN_PARALLEL_SCORES", 0)
+    monkeypatch.setattr(forward_module, "MIN_KEYS_PER_PIECE", 16)
+    monkeypatch.setattr(kv_module, "CONVERT_ELEMENTS", 1)  # MIN_CHUNK_KEYS keys per chunk
+    gathered = []
+    original = pages_module.PagedKV.buffer
+    monkeypatch.setattr(pages_module.PagedKV, "buffer",
+                        lambda self, acc, keys: gathered.append(keys) or original(self, acc, keys))
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.tensor([130, 0, 301], dtype=torch.int32)
+    pages = -(-301 // page_size)
+    pool_k, pool_v = (torch.randn(3 * pages + 2, page_size, 2, 16, generator=gen, dtype=torch.float64).to(dtype)
+                      for _ in range(2))
+    table = torch.randperm(3 * pages + 2, generator=gen)[:3 * pages].view(3, pages).int()
+    q = torch.randn(3, 4, 3, 16, generator=gen, dtype=torch.float64).to(dtype)
+    cu_q = torch.tensor([0, 1, 1, 4], dtype=torch.int32)
+    calls = {"causal_softcap": dict(causal=True, softcap=2.0),
+             "window_sinks": dict(window=(50, 0), sinks=torch.ones(4)),
+             "packed_q": dict(q=q.transpose(1, 2).reshape(-1, 4, 16)[:4], cu_seqlens_q=cu_q, max_seqlen_q=3,
+                              causal=True)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for options in calls.values():
+            call = dict(dict(q=q), **options)
+            got, got_lse = attnx.attention(k=pool_k, v=pool_v, seqlens_k=lengths, page_table=table, return_lse=True,
+                                           backend="blocked", **call)
+            want, want_lse = attnx.attention(k=pool_k, v=pool_v, seqlens_k=lengths, page_table=table,
+                                             return_lse=True, backend="naive", **call)
+            assert_close("lse", got_lse, want_lse, 1e-5)
+            assert_close("out", got, want, 1e-10 if dtype == torch.float64 else 2 ** -8 * want.abs().max().item())
+    finally:
+        torch.set_num_threads(threads)
+    assert gathered and max(gathered) == kv_module.MIN_CHUNK_KEYS
 
 
 def test_tile_override(monkeypatch):

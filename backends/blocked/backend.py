@@ -22,6 +22,7 @@ from attnx.problem import FORMAT_PAIRS, Problem
 
 from .backward import blocked_backward
 from .forward import blocked_forward
+from .paged import paged_forward
 from .tiles import TileSizes, check_tile_size, default_tile_sizes
 
 
@@ -77,6 +78,8 @@ class BlockedBackend(Backend):
         if p.is_dense:
             return blocked_forward(p, x, self.tile_sizes(p))
         lse = torch.empty(lse_shape(p, x.q), dtype=torch.float32, device=x.q.device)
+        if p.kv_format == "paged":  # pages gathered a tile at a time, not a sequence at a time
+            return paged_forward(p, x, self.tile_sizes, alloc_out(p, x.q), lse)
         return per_sequence_forward(p, x, self.forward, alloc_out(p, x.q), lse)
 
     def backward(self, p: Problem, x: Inputs, out, lse, dout) -> Grads:

@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from .pages import PagedBuffer, PagedKV
+
 # elements of one converted chunk (512 KiB in float32): well inside a core's L2
 CONVERT_ELEMENTS = 1 << 17
 MIN_CHUNK_KEYS = 16
@@ -20,7 +22,10 @@ MIN_CHUNK_KEYS = 16
 
 def needs_conversion(t: torch.Tensor, acc: torch.dtype) -> bool:
     """True when a ``(B, Hkv, S, D)`` tile of `t` must be copied before a GEMM sees it as ``(B*Hkv, S, D)``:
-    another dtype, no unit stride for BLAS, or batch and heads that do not merge into one stride."""
+    another dtype, no unit stride for BLAS, or batch and heads that do not merge into one stride
+    (or pages: always gathered)."""
+    if isinstance(t, PagedKV):
+        return True
     b, heads = t.shape[0], t.shape[1]
     merges = b == 1 or heads == 1 or t.stride(0) == heads * t.stride(1)
     return t.dtype != acc or (t.stride(-1) != 1 and t.stride(-2) != 1) or not merges
@@ -35,6 +40,8 @@ def chunk_keys(t: torch.Tensor) -> int:
 
 def buffer_for(t: torch.Tensor, acc: torch.dtype, keys: int) -> Optional[torch.Tensor]:
     """Scratch for `keys` converted keys of `t` (None when its tiles are read in place)."""
+    if isinstance(t, PagedKV):
+        return t.buffer(acc, keys)
     if not needs_conversion(t, acc):
         return None
     return torch.empty(t.shape[0] * t.shape[1] * min(keys, t.shape[2]) * t.shape[3], dtype=acc, device=t.device)
@@ -46,6 +53,8 @@ def tile(t: torch.Tensor, j0: int, j1: int, buffer: Optional[torch.Tensor]) -> t
     The copy keeps the source's order of keys and heads, so converting a token-major cache
     (``bshd``, a page pool) is one run through memory; BLAS reads the result through strides.
     """
+    if isinstance(t, PagedKV):
+        return t.tile(j0, j1, buffer)
     part = t[:, :, j0:j1]
     if buffer is None:
         return part.flatten(0, 1)
@@ -59,8 +68,15 @@ def tile(t: torch.Tensor, j0: int, j1: int, buffer: Optional[torch.Tensor]) -> t
     return dense.flatten(0, 1)
 
 
+def _capacity(t, buffer) -> int:
+    """Keys that `buffer` (from `buffer_for`) holds."""
+    if isinstance(buffer, PagedBuffer):
+        return buffer.keys
+    return max(1, buffer.numel() // (t.shape[0] * t.shape[1] * t.shape[3]))
+
+
 def _chunks(t: torch.Tensor, j0: int, j1: int, buffer: Optional[torch.Tensor]):
-    step = j1 - j0 if buffer is None else max(1, buffer.numel() // (t.shape[0] * t.shape[1] * t.shape[3]))
+    step = j1 - j0 if buffer is None else _capacity(t, buffer)
     for c0 in range(j0, j1, step):
         c1 = min(c0 + step, j1)
         yield c0 - j0, c1 - j0, tile(t, c0, c1, buffer)

@@ -18,6 +18,7 @@ from attnx.problem import Problem
 from attnx.reference import accumulation_dtype
 
 from . import kv
+from .pages import PagedKV
 
 LN2 = math.log(2.0)
 
@@ -28,8 +29,8 @@ class Operands:
 
     p: Problem
     acc: torch.dtype                   # accumulation dtype: float64 for float64, else float32
-    k: torch.Tensor                    # (B, Hkv, Sk, D): the caller's view (tiles via `key_tile`)
-    v: torch.Tensor                    # (B, Hkv, Sk, Dv): the caller's view (tiles via `value_tile`)
+    k: torch.Tensor                    # (B, Hkv, Sk, D): the caller's view, or `PagedKV` (tiles via `key_tile`)
+    v: torch.Tensor                    # (B, Hkv, Sk, Dv): likewise (tiles via `value_tile`)
     q5: torch.Tensor                   # (B, Hkv, G, Sq, D) view of the caller's q
     mask5: Optional[torch.Tensor]      # (B, Hkv, G, Sq, Sk) view of the expanded mask
     neg_slopes: Optional[torch.Tensor]  # (B*Hkv, G, 1, 1) -alibi slope * log2(e) in acc
@@ -99,6 +100,8 @@ def finite_scores(p: Problem, x: Inputs, acc: torch.dtype) -> bool:
     """
     if not p.has_window:
         return True  # no bias is added
+    if isinstance(x.k, PagedKV):
+        return False  # checking would gather every page: take the path that needs no check
     for t in (x.q, x.k, x.alibi_slopes):
         if t is not None and not bool(torch.isfinite(t.sum(dtype=acc))):
             return False
