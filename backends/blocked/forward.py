@@ -21,6 +21,8 @@ NEG_INF = float("-inf")
 # machine leaves its later pieces to the others; each piece at least this many keys.
 PIECES_PER_WORKER = 2
 MIN_KEYS_PER_PIECE = 1024
+# Below this many rows per kv head (G * block_m), K/V are converted in L2-sized chunks (`kv.chunk_keys`).
+FEW_ROWS = 64
 
 
 def scratch(ops: Operands, rows: int, cols: int) -> torch.Tensor:
@@ -71,7 +73,9 @@ class Buffers(NamedTuple):
 
     @classmethod
     def of(cls, ops: Operands, tiles: TileSizes) -> "Buffers":
-        chunk = min(tiles.block_n, ops.chunk_keys())
+        # many rows per tile: the GEMMs outweigh converting a whole tile, and chunks only add ops
+        few_rows = ops.p.group_size * tiles.block_m < FEW_ROWS
+        chunk = min(tiles.block_n, ops.chunk_keys()) if few_rows else tiles.block_n
         keys, values = ops.kv_buffers(chunk)
         product = None if keys is None or chunk == tiles.block_n else scratch(ops, tiles.block_m, chunk)
         return cls(scratch(ops, tiles.block_m, tiles.block_n), keys, values, product)
