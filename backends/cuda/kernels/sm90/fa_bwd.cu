@@ -10,8 +10,9 @@
 // - warpgroups 1 and 2, the consumers, own 64 keys each. Per step of BM queries:
 //     S^T = K Q^T, dP^T = V dO^T     wgmma, both operands in shared memory (K-major)
 //     P^T = exp2(S^T - lse), dS^T = P^T (dP^T - delta) [x softcap'] in registers
-//     dV += P^T dO, dK += dS^T Q     wgmma with A from registers (dO, Q MN-major)
-//     dS^T -> shared memory (double-buffered; a named barrier joins the two consumers)
+//     dS^T -> shared memory (double-buffered), before the GEMMs below read its registers
+//     dV += P^T dO, dK += dS^T Q     wgmma with A from registers (dO, Q MN-major); then a named
+//                                    barrier joins the two consumers (both dS^T halves staged)
 //     dQ += dS K                     wgmma, A (dS) and B (K) MN-major in shared memory, each
 //                                    consumer one half (DqSplit: rows, columns or keys), added
 //                                    to the fp32 dq_accum with red.global.add.v2 (or DQ_BULK)
