@@ -18,6 +18,8 @@ Memory per rank, beyond the saved tensors (q, k, v, out, lse) and dQ: the K/V bl
 next one arriving and one block's dK/dV accumulators. The K/V transfer overlaps the compute;
 the dK/dV swap does not (it moves one piece at a time), which keeps a second and third
 K/V-sized pair of buffers out of the peak (docs/distributed.md, "Memory per rank").
+``kv_pieces > 1`` runs `ring_pieces.PiecedRingAttention` instead: the same ring, one piece of
+every block at a time, with no block-sized buffer in flight.
 """
 from __future__ import annotations
 
