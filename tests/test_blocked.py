@@ -481,17 +481,29 @@ def test_key_pieces_merge(monkeypatch, name):
     assert merged and min(merged) >= 2, merged
 
 
-def test_key_pieces_cover_the_span():
-    """Pieces of one query tile tile its key span exactly; many query tiles are never split."""
-    p = attnx.make_problem(*(torch.empty(1, 8, s, 64) for s in (1, 5000, 5000)), window=(3000, 0))
-    workers = parallel_module.worker_count(p, 1 << 20)
-    items = forward_module.work_items(p, blocked_pkg.TileSizes(1, 512))
-    lo, hi = forward_module.key_span(p, 0, 1)
-    assert [(i.lo, i.hi) for i in items][0][0] == lo and items[-1].hi == hi
+def test_work_items_split_large_shares_of_keys():
+    """A query tile holding a large share of all the keys is split into pieces that tile its key span;
+    prefill tiles and a batch of equal decodes stay whole; one worker never splits."""
+    def jobs(seqlen_q, seqlens_k, window=None, block_m=1):
+        made = []
+        for seqlen_k in seqlens_k:
+            q, k, v = torch.zeros(1, 8, seqlen_q, 64), torch.zeros(1, 2, seqlen_k, 64), torch.zeros(1, 2, seqlen_k, 64)
+            p = attnx.make_problem(q, k, v, window=window)
+            made.append(forward_module.Job(p, Inputs(q, k, v), blocked_pkg.TileSizes(block_m, 512)))
+        return made
+
+    pieces = forward_module.PIECES_PER_WORKER
+    windowed = jobs(1, [10000], window=(6000, 0))
+    items = forward_module.work_items(windowed, workers=2)
+    assert len(items) == 2 * pieces and not any(i.whole for i in items)
+    assert (items[0].lo, items[-1].hi) == forward_module.key_span(windowed[0].p, 0, 1) == (3999, 10000)
     assert all(a.hi == b.lo for a, b in zip(items, items[1:]))
-    assert len(items) == (1 if workers == 1 else forward_module.PIECES_PER_WORKER * workers)
-    long_q = attnx.make_problem(*(torch.empty(1, 8, 5000, 64) for _ in range(3)))
-    assert all(i.whole for i in forward_module.work_items(long_q, blocked_pkg.TileSizes(256, 512)))
+    assert len(forward_module.work_items(windowed, workers=1)) == 1
+    skewed = forward_module.work_items(jobs(1, [32768] + [100] * 7), workers=2)
+    assert [i.job for i in skewed if not i.whole] == [0] * (2 * pieces)
+    assert all(i.whole for i in forward_module.work_items(jobs(1, [4096] * 8), workers=2))
+    prefill = forward_module.work_items(jobs(4096, [4096], block_m=256), workers=2)
+    assert len(prefill) == 16 and all(i.whole for i in prefill)
 
 
 def test_converted_chunks(monkeypatch):

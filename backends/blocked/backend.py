@@ -4,8 +4,9 @@ Queries and keys are processed in tiles with an online softmax (forward) and an
 lse-based recomputation (backward), so memory grows with ``S * D``, never
 ``Sq * Sk``. Every feature of docs/semantics.md (explicit alignment offsets and
 attention sinks included) is supported on every dtype and head dim. The varlen,
-cache and paged formats run the same tiles one sequence at a time
-(`attnx.formats.per_sequence_forward`), so memory stays linear there too.
+cache and paged formats run the same tiles per sequence (forward: every sequence's
+tiles share the workers, `sequences.py`; backward: `attnx.formats.per_sequence_backward`),
+so memory stays linear there too.
 """
 from __future__ import annotations
 
@@ -16,13 +17,13 @@ import torch
 
 from attnx.autograd import alloc_out, lse_shape
 from attnx.backend import Backend
-from attnx.formats import per_sequence_backward, per_sequence_forward
+from attnx.formats import per_sequence_backward
 from attnx.inputs import Grads, Inputs
 from attnx.problem import FORMAT_PAIRS, Problem
 
 from .backward import blocked_backward
 from .forward import blocked_forward
-from .paged import paged_forward
+from .sequences import sequences_forward
 from .tiles import TileSizes, check_tile_size, default_tile_sizes
 
 
@@ -78,9 +79,8 @@ class BlockedBackend(Backend):
         if p.is_dense:
             return blocked_forward(p, x, self.tile_sizes(p))
         lse = torch.empty(lse_shape(p, x.q), dtype=torch.float32, device=x.q.device)
-        if p.kv_format == "paged":  # pages gathered a tile at a time, not a sequence at a time
-            return paged_forward(p, x, self.tile_sizes, alloc_out(p, x.q), lse)
-        return per_sequence_forward(p, x, self.forward, alloc_out(p, x.q), lse)
+        # every sequence's tiles in one pool; pages gathered a tile at a time
+        return sequences_forward(p, x, self.tile_sizes, alloc_out(p, x.q), lse)
 
     def backward(self, p: Problem, x: Inputs, out, lse, dout) -> Grads:
         if p.is_dense:

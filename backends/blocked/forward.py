@@ -1,4 +1,10 @@
-"""Forward: query tiles outside, key tiles inside, online softmax in the accumulation dtype."""
+"""Forward: query tiles outside, key tiles inside, online softmax in the accumulation dtype.
+
+With fewer query tiles than CPU workers (decode, short chunks, speculative verification), a
+tile's keys are split into pieces that run on different workers; their softmax states are
+merged as flash-decoding's combine does (`merge`), so a 1-row decode uses every core without
+splitting each small op across threads.
+"""
 from __future__ import annotations
 
 import functools
@@ -133,8 +139,9 @@ def finish(ops: Operands, rows: int, part: Partial):
 
 
 class WorkItem(NamedTuple):
-    """Query rows ``[i0, i1)`` against keys ``[lo, hi)``; `whole` when that is every key they see."""
+    """Job `job`'s query rows ``[i0, i1)`` against keys ``[lo, hi)``; `whole` when that is every key they see."""
 
+    job: int
     i0: int
     i1: int
     lo: int
@@ -142,22 +149,23 @@ class WorkItem(NamedTuple):
     whole: bool
 
 
-def work_items(p: Problem, tiles: TileSizes) -> list:
-    """Query tiles; when they are fewer than the workers (decode, short chunks), each tile's keys are
-    split into pieces, computed apart and merged (`merge`), so every worker has work."""
-    starts = range(0, p.seqlen_q, tiles.block_m)
-    workers = worker_count(p, len(starts) * max(1, p.seqlen_k // MIN_KEYS_PER_PIECE))
-    pieces = 1 if len(starts) >= workers else -(-workers * PIECES_PER_WORKER // len(starts))
+def work_items(jobs: list, workers: int) -> list:
+    """Every query tile of every job; a tile whose keys are a large share of all the work (decode,
+    short chunks, one long sequence among short ones) is split into pieces of keys, computed apart
+    and merged (`merge`), so each worker gets about `PIECES_PER_WORKER` items' worth of keys."""
+    spans = [(n, i0, min(i0 + job.tiles.block_m, job.p.seqlen_q))
+             for n, job in enumerate(jobs) for i0 in range(0, job.p.seqlen_q, job.tiles.block_m)]
+    spans = [(n, i0, i1, *key_span(jobs[n].p, i0, i1)) for n, i0, i1 in spans]
+    total = sum(max(0, hi - lo) for *_, lo, hi in spans)
+    piece = max(MIN_KEYS_PER_PIECE, -(-total // (workers * PIECES_PER_WORKER)))
     items = []
-    for i0 in starts:
-        i1 = min(i0 + tiles.block_m, p.seqlen_q)
-        lo, hi = key_span(p, i0, i1)
-        count = min(pieces, (hi - lo) // MIN_KEYS_PER_PIECE)
-        if count <= 1:  # one item, also when no key is seen (hi <= lo)
-            items.append(WorkItem(i0, i1, lo, hi, True))
+    for n, i0, i1, lo, hi in spans:
+        count = -(-(hi - lo) // piece) if workers > 1 and hi > lo else 1
+        if count == 1:  # one item, also when no key is seen (hi <= lo)
+            items.append(WorkItem(n, i0, i1, lo, hi, True))
             continue
         per_piece = -(-(hi - lo) // count)
-        items += [WorkItem(i0, i1, j0, min(j0 + per_piece, hi), False) for j0 in range(lo, hi, per_piece)]
+        items += [WorkItem(n, i0, i1, j0, min(j0 + per_piece, hi), False) for j0 in range(lo, hi, per_piece)]
     return items
 
 
@@ -172,38 +180,65 @@ def fill_keyless_rows(ops: Operands, out5, lse5, sinks: Optional[torch.Tensor], 
     out5[:, :, :, i0:i1].copy_((sink5 * 0.0)[..., None].expand_as(out5[:, :, :, i0:i1]))
 
 
-def blocked_forward(p: Problem, x: Inputs, tiles: TileSizes):
-    """``(out, lse)`` of docs/semantics.md's formula without materialising more than one tile of scores."""
-    ops = prepare(p, x)
-    out = alloc_out(p, x.q)
-    lse = torch.empty((p.batch, p.heads_q, p.seqlen_q), dtype=torch.float32, device=x.q.device)
-    out5, lse5 = ops.split_heads(out), ops.split_heads(lse)
-    split = (p.batch, p.heads_kv, p.group_size)
+class Job:
+    """One dense problem's forward: its operands, tiles and the outputs it fills."""
 
-    def write(i0: int, i1: int, part: Partial) -> None:
-        tile_out, tile_lse = finish(ops, i1 - i0, part)
-        out5[:, :, :, i0:i1].copy_(tile_out.view(*split, i1 - i0, p.head_dim_v))
-        lse5[:, :, :, i0:i1].copy_(tile_lse.view(*split, i1 - i0))
+    def __init__(self, p: Problem, x: Inputs, tiles: TileSizes):
+        self.p, self.tiles, self.sinks = p, tiles, x.sinks
+        self.ops = prepare(p, x)
+        self.out = alloc_out(p, x.q)
+        self.lse = torch.empty((p.batch, p.heads_q, p.seqlen_q), dtype=torch.float32, device=x.q.device)
+        self.out5, self.lse5 = self.ops.split_heads(self.out), self.ops.split_heads(self.lse)
 
-    def run(items):
-        buffers = Buffers.of(ops, tiles)
+    def write(self, i0: int, i1: int, part: Partial) -> None:
+        p = self.p
+        tile_out, tile_lse = finish(self.ops, i1 - i0, part)
+        split = (p.batch, p.heads_kv, p.group_size, i1 - i0)
+        self.out5[:, :, :, i0:i1].copy_(tile_out.view(*split, p.head_dim_v))
+        self.lse5[:, :, :, i0:i1].copy_(tile_lse.view(*split))
+
+    def attend(self, item: WorkItem, buffers: Buffers) -> Optional[Partial]:
+        """Run `item`: its rows' results written when it is whole, else its partial state returned."""
+        if item.hi <= item.lo:  # no query here sees a key
+            fill_keyless_rows(self.ops, self.out5, self.lse5, self.sinks, item.i0, item.i1)
+            return None
+        part = attend_keys(self.ops, self.ops.q_tile(item.i0, item.i1), item.i0, item.i1, item.lo, item.hi,
+                           self.tiles.block_n, buffers)
+        if not item.whole:
+            return part
+        self.write(item.i0, item.i1, part)
+        return None
+
+
+def forward_jobs(p: Problem, jobs: list) -> None:
+    """Fill every job's outputs; `p` is the whole call (one job, or a format's sequences), which
+    decides how many workers run the items of all the jobs together."""
+    most_items = sum(max(-(-job.p.seqlen_q // job.tiles.block_m), -(-job.p.seqlen_k // MIN_KEYS_PER_PIECE))
+                     for job in jobs)
+    workers = worker_count(p, most_items)
+    items = work_items(jobs, workers)
+
+    def run(my_items):
+        buffers, buffers_job = None, None
         pieces = []
-        for item in items:
-            if item.hi <= item.lo:  # no query here sees a key
-                fill_keyless_rows(ops, out5, lse5, x.sinks, item.i0, item.i1)
-                continue
-            part = attend_keys(ops, ops.q_tile(item.i0, item.i1), item.i0, item.i1, item.lo, item.hi,
-                               tiles.block_n, buffers)
-            if item.whole:
-                write(item.i0, item.i1, part)
-            else:
+        for item in my_items:
+            if buffers_job != item.job:  # sized for one job's tiles and operands
+                buffers, buffers_job = Buffers.of(jobs[item.job].ops, jobs[item.job].tiles), item.job
+            part = jobs[item.job].attend(item, buffers)
+            if part is not None:
                 pieces.append((item, part))
         return pieces
 
     split_rows: dict = {}
-    for pieces in map_tiles(p, work_items(p, tiles), run, cost=lambda item: item.hi - item.lo):
+    for pieces in map_tiles(p, items, run, cost=lambda item: item.hi - item.lo):
         for item, part in pieces:
-            split_rows.setdefault((item.i0, item.i1), []).append(part)
-    for (i0, i1), parts in split_rows.items():
-        write(i0, i1, merge(parts))
-    return out, lse
+            split_rows.setdefault((item.job, item.i0, item.i1), []).append(part)
+    for (n, i0, i1), parts in split_rows.items():
+        jobs[n].write(i0, i1, merge(parts))
+
+
+def blocked_forward(p: Problem, x: Inputs, tiles: TileSizes):
+    """``(out, lse)`` of docs/semantics.md's formula without materialising more than one tile of scores."""
+    job = Job(p, x, tiles)
+    forward_jobs(p, [job])
+    return job.out, job.lse

@@ -5,7 +5,8 @@ K and V stay the caller's ``(B, Hkv, S, D)`` views. Where a GEMM can read them i
 is a view; otherwise it is copied into a per-worker buffer first. The forward's products
 copy a few keys at a time (`chunk_keys`), so the copy is still in the core's cache when
 the GEMM reads it: bf16 decode measured about 25 % faster that way than converting whole
-512-key tiles (benchmarks/cpu_decode.py).
+512-key tiles (benchmarks/cpu_decode.py). A paged sequence (`pages.PagedKV`) is always copied:
+each tile gathers its own pages.
 """
 from __future__ import annotations
 
