@@ -29,7 +29,7 @@ import subprocess
 import sys
 import zlib
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import pytest
 import torch
