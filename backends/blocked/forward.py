@@ -232,9 +232,10 @@ def forward_jobs(p: Problem, jobs: list) -> None:
     split_rows: dict = {}
     for pieces in map_tiles(p, items, run, cost=lambda item: item.hi - item.lo):
         for item, part in pieces:
-            split_rows.setdefault((item.job, item.i0, item.i1), []).append(part)
+            split_rows.setdefault((item.job, item.i0, item.i1), []).append((item.lo, part))
     for (n, i0, i1), parts in split_rows.items():
-        jobs[n].write(i0, i1, merge(parts))
+        # merged in key order, whichever worker ran each piece: the same bits every run
+        jobs[n].write(i0, i1, merge([part for _, part in sorted(parts, key=lambda piece: piece[0])]))
 
 
 def blocked_forward(p: Problem, x: Inputs, tiles: TileSizes):
