@@ -113,8 +113,8 @@ class BackwardBuffers(NamedTuple):
     dp: torch.Tensor
     tanh: Optional[torch.Tensor]       # softcap only
     key_grad: torch.Tensor             # one tile of dK or dV before it is added
-    keys: Optional[torch.Tensor]       # whole converted tiles (`Operands.kv_buffers`)
-    values: Optional[torch.Tensor]
+    keys: object                       # whole converted tiles (`Operands.kv_buffers`), or None
+    values: object
     product: None = None               # tiles are never split into chunks here (`kv.key_scores`)
 
     @classmethod

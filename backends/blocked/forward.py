@@ -73,8 +73,8 @@ class Buffers(NamedTuple):
     and one chunk's scores before they join the tile."""
 
     scores: torch.Tensor
-    keys: Optional[torch.Tensor]
-    values: Optional[torch.Tensor]
+    keys: object                       # `kv.buffer_for`'s scratch, or None
+    values: object
     product: Optional[torch.Tensor]
 
     @classmethod

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .pages import PagedBuffer, PagedKV
+from .pages import PagedKV
 
 # elements of one converted chunk (512 KiB in float32): well inside a core's L2
 CONVERT_ELEMENTS = 1 << 17
@@ -39,16 +39,45 @@ def chunk_keys(t: torch.Tensor) -> int:
     return max(MIN_CHUNK_KEYS, CONVERT_ELEMENTS // (t.shape[0] * t.shape[1] * t.shape[3]))
 
 
-def buffer_for(t: torch.Tensor, acc: torch.dtype, keys: int) -> Optional[torch.Tensor]:
+class ConvertBuffer:
+    """One worker's scratch for `keys` converted keys of one ``(B, Hkv, S, D)`` tensor.
+
+    The views of a full chunk are made once: a chunk is a few dozen microseconds of work,
+    so the Python-side cost of re-making them was a measurable share of a decode.
+    """
+
+    def __init__(self, t: torch.Tensor, acc: torch.dtype, keys: int):
+        b, heads, _, width = t.shape
+        self.keys = keys
+        self.flat = torch.empty(b * heads * keys * width, dtype=acc, device=t.device)
+        self.token_major = t.stride(2) > t.stride(1)  # keys outermost: copy in that order, one run
+        self.full = self._views(b, heads, keys, width)
+
+    def _views(self, b: int, heads: int, keys: int, width: int):
+        flat = self.flat[: b * heads * keys * width]
+        if self.token_major:
+            dense = flat.view(keys, b, heads, width).permute(1, 2, 0, 3)
+        else:
+            dense = flat.view(b, heads, keys, width)
+        return dense, dense.flatten(0, 1)
+
+    def fill(self, part: torch.Tensor) -> torch.Tensor:
+        """`part` ``(B, Hkv, keys, D)`` converted, as ``(B*Hkv, keys, D)``."""
+        dense, merged = self.full if part.shape[2] == self.keys else self._views(*part.shape)
+        dense.copy_(part)
+        return merged
+
+
+def buffer_for(t: torch.Tensor, acc: torch.dtype, keys: int):
     """Scratch for `keys` converted keys of `t` (None when its tiles are read in place)."""
     if isinstance(t, PagedKV):
         return t.buffer(acc, keys)
     if not needs_conversion(t, acc):
         return None
-    return torch.empty(t.shape[0] * t.shape[1] * min(keys, t.shape[2]) * t.shape[3], dtype=acc, device=t.device)
+    return ConvertBuffer(t, acc, min(keys, t.shape[2]))
 
 
-def tile(t: torch.Tensor, j0: int, j1: int, buffer: Optional[torch.Tensor]) -> torch.Tensor:
+def tile(t: torch.Tensor, j0: int, j1: int, buffer) -> torch.Tensor:
     """Keys ``[j0, j1)`` of `t` as ``(B*Hkv, j1 - j0, D)``: a view, or a copy into `buffer` (from `buffer_for`).
 
     The copy keeps the source's order of keys and heads, so converting a token-major cache
@@ -56,35 +85,19 @@ def tile(t: torch.Tensor, j0: int, j1: int, buffer: Optional[torch.Tensor]) -> t
     """
     if isinstance(t, PagedKV):
         return t.tile(j0, j1, buffer)
-    part = t[:, :, j0:j1]
-    if buffer is None:
-        return part.flatten(0, 1)
-    b, heads, keys, width = part.shape
-    flat = buffer[: part.numel()]
-    if t.stride(2) > t.stride(1):  # token-major: keys outermost
-        dense = flat.view(keys, b, heads, width).permute(1, 2, 0, 3)
-    else:
-        dense = flat.view(b, heads, keys, width)
-    dense.copy_(part)
-    return dense.flatten(0, 1)
+    part = t.narrow(2, j0, j1 - j0)
+    return part.flatten(0, 1) if buffer is None else buffer.fill(part)
 
 
-def _capacity(t, buffer) -> int:
-    """Keys that `buffer` (from `buffer_for`) holds."""
-    if isinstance(buffer, PagedBuffer):
-        return buffer.keys
-    return max(1, buffer.numel() // (t.shape[0] * t.shape[1] * t.shape[3]))
-
-
-def _chunks(t: torch.Tensor, j0: int, j1: int, buffer: Optional[torch.Tensor]):
-    step = j1 - j0 if buffer is None else _capacity(t, buffer)
+def _chunks(t: torch.Tensor, j0: int, j1: int, buffer):
+    step = j1 - j0 if buffer is None else buffer.keys
     for c0 in range(j0, j1, step):
         c1 = min(c0 + step, j1)
         yield c0 - j0, c1 - j0, tile(t, c0, c1, buffer)
 
 
 def key_scores(q_tile: torch.Tensor, k: torch.Tensor, j0: int, j1: int, out: torch.Tensor,
-               buffer: Optional[torch.Tensor], product: Optional[torch.Tensor] = None) -> torch.Tensor:
+               buffer, product: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``q_tile @ K[j0:j1]^T`` into `out` ``(B*Hkv, rows, j1 - j0)``, a buffer-full of keys at a time.
 
     Each chunk's product lands in `product` (a contiguous ``(B*Hkv, rows, chunk)`` scratch) and is
@@ -99,7 +112,7 @@ def key_scores(q_tile: torch.Tensor, k: torch.Tensor, j0: int, j1: int, out: tor
     return out
 
 
-def value_products(probs: torch.Tensor, v: torch.Tensor, j0: int, j1: int, buffer: Optional[torch.Tensor],
+def value_products(probs: torch.Tensor, v: torch.Tensor, j0: int, j1: int, buffer,
                    acc: Optional[torch.Tensor]) -> torch.Tensor:
     """``acc + probs @ V[j0:j1]`` in place (a new tensor when `acc` is None), a buffer-full at a time."""
     for c0, c1, values in _chunks(v, j0, j1, buffer):

@@ -41,15 +41,15 @@ class Operands:
     def batch_heads(self) -> int:
         return self.p.batch * self.p.heads_kv
 
-    def key_tile(self, j0: int, j1: int, buffer: Optional[torch.Tensor]) -> torch.Tensor:
+    def key_tile(self, j0: int, j1: int, buffer) -> torch.Tensor:
         """Keys ``[j0, j1)`` as ``(B*Hkv, cols, D)`` in acc: a view, or a copy into `buffer` (`kv_buffers`)."""
         return kv.tile(self.k, j0, j1, buffer)
 
-    def value_tile(self, j0: int, j1: int, buffer: Optional[torch.Tensor]) -> torch.Tensor:
+    def value_tile(self, j0: int, j1: int, buffer) -> torch.Tensor:
         """Values ``[j0, j1)`` as ``(B*Hkv, cols, Dv)`` in acc: a view, or a copy into `buffer`."""
         return kv.tile(self.v, j0, j1, buffer)
 
-    def kv_buffers(self, keys: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def kv_buffers(self, keys: int) -> tuple:
         """One worker's scratch for `keys` converted keys and values (None where tiles are read in place)."""
         return kv.buffer_for(self.k, self.acc, keys), kv.buffer_for(self.v, self.acc, keys)
 
