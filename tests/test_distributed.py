@@ -4,7 +4,9 @@ Each world size (2 and 4) is one spawn of processes that runs every case below a
 it found; the tests then read it, one test per (world size, case). Every rank builds the same
 full tensors from one seed, computes the single-process result with `attnx.attention`, runs
 `ring_attention` on its shard and compares its rows of out, lse, dq, dk and dv (and the dsinks
-summed over the ranks) within float32 tolerance.
+summed over the ranks) within float32 tolerance. Cases with ``deterministic`` also run the ring
+twice more with a backend first in line whose backward adds run-to-run noise: the two
+``deterministic=True`` runs must agree bit for bit, the dispatcher's own choice must not.
 """
 from __future__ import annotations
 
@@ -56,6 +58,12 @@ CASES = {
     "pieces_float64_window_torch_rule": dict(window=(5, 3), dtype=torch.float64, kv_pieces=4),
     "pieces_default_tiles_auto_bfloat16_gqa": dict(causal=True, heads_kv=2, dtype=torch.bfloat16, tiles=None,
                                                    kv_pieces=3, exchange="auto"),
+    # deterministic=True, run twice (and once more without it), a noisy backend first in line (`_noisy_backend`)
+    "deterministic_noisy_first_causal_zigzag_gqa": dict(causal=True, heads_kv=2, deterministic=True),
+    "deterministic_noisy_first_allgather_window_bshd": dict(window=(5, 3), layout="bshd", exchange="allgather",
+                                                            deterministic=True),
+    "deterministic_noisy_first_pieces_alibi_sinks": dict(causal=True, alibi="heads", sinks=True, kv_pieces=2,
+                                                         deterministic=True),
 }
 # float32 is the contract; bfloat16 also rounds each block's output before the merge, and
 # float64 is limited by the float32 lse the backends return
@@ -65,6 +73,22 @@ TOLERANCES = {torch.float32: TOL, torch.bfloat16: dict(atol=3e-2, rtol=3e-2), to
 # pieces: (module under attnx.distributed, name) -> value
 TINY_TILES = {("backward", "TILE_ELEMENTS"): 1, ("backward", "MIN_TILE"): 3, ("block_backward", "MIN_PIECE_ROWS"): 3,
               ("exchange", "SWAP_PIECES"): 7, ("exchange", "SWAP_MIN_PIECE_BYTES"): 100}
+
+
+def _noisy_backend():
+    """A copy of `blocked` whose backward adds run-to-run noise to dQ, first in line (tests/test_deterministic.py).
+
+    Register it (`attnx.registered`); ``.calls`` lists its "forward" and "backward" runs.
+    """
+    from test_deterministic import _Noisy
+
+    backend = type("NoisyBlocked", (_Noisy, type(attnx.get_backend("blocked"))), {"name": "noisy"})()
+    backend.calls = []
+    return backend
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _inputs(case: dict, world: int):
@@ -157,14 +181,29 @@ def _compare(case: dict, rank: int, world: int, dist) -> None:
         if grad:
             ref_out.backward(dout)
 
-    part = [shard(t, rank, world, sharding=sharding, dim=dim).clone().requires_grad_(grad) for t in (q, k, v)]
-    my_sinks = sinks.clone().requires_grad_(grad) if sinks is not None else None
-    with torch.set_grad_enabled(grad):
-        out, lse = ring_attention(*part, sharding=sharding, sinks=my_sinks, backend=backend,
-                                  exchange=case.get("exchange", "ring"), kv_pieces=case.get("kv_pieces", 1),
-                                  return_lse=True, **options)
-        if grad:
-            out.backward(shard(dout, rank, world, sharding=sharding, dim=dim))
+    def run(deterministic):
+        """This rank's ``(q, k, v leaves, sinks leaf, out, lse)`` of one ring call (and its backward)."""
+        part = [shard(t, rank, world, sharding=sharding, dim=dim).clone().requires_grad_(grad) for t in (q, k, v)]
+        my_sinks = sinks.clone().requires_grad_(grad) if sinks is not None else None
+        with torch.set_grad_enabled(grad):
+            out, lse = ring_attention(*part, sharding=sharding, sinks=my_sinks, backend=backend,
+                                      exchange=case.get("exchange", "ring"), kv_pieces=case.get("kv_pieces", 1),
+                                      deterministic=deterministic, return_lse=True, **options)
+            if grad:
+                out.backward(shard(dout, rank, world, sharding=sharding, dim=dim))
+        return part, my_sinks, out, lse
+
+    repeats = None
+    if "deterministic" in case:
+        noisy = _noisy_backend()
+        with attnx.registered(noisy):
+            part, my_sinks, out, lse = run(case["deterministic"])
+            again = run(case["deterministic"])
+            avoided = "backward" not in noisy.calls
+            control = run(None)  # the dispatcher's first choice again: the noisy backward
+        repeats = (again, control, avoided, "backward" in noisy.calls)
+    else:
+        part, my_sinks, out, lse = run(None)
 
     # every collective first, so a failed comparison on one rank leaves no other rank waiting
     total_dsinks = None
@@ -186,6 +225,19 @@ def _compare(case: dict, rank: int, world: int, dist) -> None:
         if sinks is not None:
             torch.testing.assert_close(total_dsinks, ref_sinks.grad, **tol, msg="dsinks summed over ranks")
     torch.testing.assert_close(gathered_q, q, msg="gather(shard(q)) == q")
+    if repeats is not None:
+        _check_repeats(part + [my_sinks], out, *repeats)
+
+
+def _check_repeats(leaves, out, again, control, avoided: bool, noisy_ran: bool) -> None:
+    """Two deterministic runs agree bit for bit (out, dq, dk, dv, dsinks); a run on the noisy backward does not."""
+    assert avoided, "deterministic=True ran the noisy backward"
+    assert noisy_ran, "without deterministic the noisy backend was not chosen: the comparison proves nothing"
+    assert _bits(again[2]) == _bits(out), "out differs between two runs"
+    for name, first, second in zip(("q", "k", "v", "sinks"), leaves, again[0] + [again[1]]):
+        if first is not None:
+            assert _bits(first.grad) == _bits(second.grad), f"d{name} differs between two deterministic runs"
+    assert _bits(control[0][0].grad) != _bits(leaves[0].grad), "the noisy backward left dq unchanged"
 
 
 def _check_errors(rank: int, world: int) -> None:
@@ -213,6 +265,24 @@ def _check_errors(rank: int, world: int) -> None:
         ring_attention(q, q, q, kv_pieces=2 if rank == 0 else 1)
     with pytest.raises(attnx.InvalidArgumentError, match="allgather"):  # no ring to cut into pieces
         ring_attention(q, q, q, kv_pieces=2, exchange="allgather")
+    # deterministic: a rank's own bad value; ranks that require it differently (with gradients) all raise
+    error = attnx.InvalidTypeError if rank == 1 else attnx.InvalidArgumentError
+    with pytest.raises(error, match="`deterministic`|rank"):
+        ring_attention(q, q, q, deterministic="yes" if rank == 1 else True)
+    leaf = q.clone().requires_grad_()
+    with pytest.raises(attnx.InvalidArgumentError, match="different deterministic"):
+        ring_attention(leaf, q, q, deterministic=True if rank == 0 else None)
+    ring_attention(q, q, q, deterministic=True if rank == 0 else None)  # without gradients it requires nothing
+    # a named backend whose backward is not deterministic: every rank declines
+    with attnx.registered(_noisy_backend()):
+        with pytest.raises(attnx.NoBackendError, match="backward is not deterministic"):
+            ring_attention(leaf, q, q, backend="noisy", deterministic=True)
+    # ALiBi slopes whose values differ on one rank (or whose heads are swapped): every rank raises
+    slopes = torch.tensor([0.5, 0.25])
+    for mine in (slopes * 2, slopes.flip(0)):
+        with pytest.raises(attnx.InvalidArgumentError, match="different alibi_slopes values"):
+            ring_attention(q, q, q, causal=True, alibi_slopes=mine if rank == world - 1 else slopes)
+    ring_attention(q, q, q, causal=True, alibi_slopes=slopes.clone())  # equal values, other tensors: agreed
     out = ring_attention(q, q, q, causal=True)  # still works
     assert out.shape == q.shape
 
@@ -384,6 +454,88 @@ def test_errors_before_any_communication():
         ring_attention(q, q, q, return_lse=1)
     with pytest.raises(attnx.InvalidTypeError, match="group"):
         ring_attention(q, q, q, group="world")
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """`ring_attention` in this process as a group of one: no process group, nothing exchanged."""
+    from attnx.distributed import validate, varlen_validate
+
+    for module in (validate, varlen_validate):
+        monkeypatch.setattr(module, "resolve_group", lambda group: (None, 0, 1))
+
+
+@pytest.fixture
+def noisy(clean_registry):
+    from attnx import call_memo
+
+    backend = _noisy_backend()
+    call_memo.clear()
+    with attnx.registered(backend):
+        yield backend
+    call_memo.clear()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_deterministic_reaches_every_block_call(one_rank, noisy, monkeypatch, packed):
+    """The ring's forward and backward block calls get ``deterministic``; the dispatcher then skips the noisy backward."""
+    from attnx.distributed import forward, varlen_block
+
+    gen = torch.Generator().manual_seed(3)
+    shape = (13, 2, 8) if packed else (1, 2, 12, 8)
+    packing = dict(cu_seqlens_q=torch.tensor([0, 5, 13], dtype=torch.int32)) if packed else {}
+    packing["cu_seqlens_k"] = packing.get("cu_seqlens_q")
+    tensors = [torch.randn(shape, generator=gen) for _ in range(3)]
+    given = []  # `deterministic` as each forward block call got it
+    module = varlen_block if packed else forward
+    attention = module.attention
+
+    def recorded(*args, **kwargs):
+        given.append(kwargs.get("deterministic", "missing"))
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(module, "attention", recorded)
+
+    def dq(**options):
+        leaves = [t.clone().requires_grad_() for t in tensors]
+        ring_attention(*leaves, causal=True, **packing, **options).sum().backward()
+        return leaves[0].grad
+
+    dq()
+    assert noisy.calls.count("backward") > 0 and set(given) == {False}  # the dispatcher's first choice
+    noisy.calls.clear()
+    first, second = dq(deterministic=True), dq(deterministic=True)
+    assert "backward" not in noisy.calls and "forward" in noisy.calls and set(given) == {False, True}
+    assert _bits(first) == _bits(second)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        dq(deterministic=False)  # False never overrides torch's switch
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert "backward" not in noisy.calls
+    with pytest.raises(attnx.NoBackendError, match="backward is not deterministic") as declined:
+        dq(backend="noisy", deterministic=True)
+    assert "deterministic=True" in declined.value.reasons["noisy"][0]
+    ring_attention(*tensors, causal=True, backend="noisy", deterministic=True, **packing)  # no gradients: fine
+    with pytest.raises(attnx.InvalidTypeError, match="`deterministic`"):
+        ring_attention(*tensors, deterministic=1, **packing)
+
+
+def test_slopes_checksum():
+    """Equal values agree whatever the tensor; another value or swapped heads differ; computed on the device."""
+    from attnx.distributed.agreement import slopes_checksum
+
+    cpu = torch.device("cpu")
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    same = slopes_checksum(slopes, cpu)
+    assert torch.equal(same, slopes_checksum(slopes.clone(), cpu)) and same.dtype == torch.int64
+    for other in (slopes.flip(0), slopes + torch.tensor([0, 0, 0, 1e-7]), slopes.view(2, 2)[:, :1].flatten()):
+        assert not torch.equal(same, slopes_checksum(other, cpu))
+    assert torch.equal(slopes_checksum(None, cpu), torch.zeros(1, dtype=torch.int64))
+    # no values are read on the host: it runs on tensors that have none
+    meta = torch.device("meta")
+    assert slopes_checksum(torch.empty(4, device=meta), meta).device == meta
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="measures through Linux's /proc")

@@ -4,7 +4,8 @@ Each world size (2 and 4) is one spawn of processes running every case below. Ev
 the same packed batch (sequences of unequal lengths, including 0 and fewer tokens than ranks)
 from one seed, computes `attnx.attention` on the whole batch, runs `ring_attention` on its
 `shard_varlen` shard and compares its rows of out, lse, dq, dk and dv (and dsinks summed over
-the ranks) within float32 tolerance.
+the ranks) within float32 tolerance. Cases with ``deterministic`` also run the ring twice more
+with a backend first in line whose backward adds run-to-run noise (as tests/test_distributed.py).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from attnx.distributed.varlen_calls import VarlenSpec, plan_block
 from attnx.distributed.varlen_sharding import VarlenLayout
 
 from distributed_harness import run_cases, run_ranks
+from test_distributed import _check_repeats, _noisy_backend
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 SPAWN_TIMEOUT_S = 100
@@ -55,6 +57,12 @@ CASES = {
                                            lengths_k=[9, 4, 1, 20, 3, 15, 2]),
     "prefix_float64_causal_softcap_torch_rule": dict(causal=True, softcap=2.0, dtype=torch.float64,
                                                      lengths_k=[9, 4, 1, 20, 3, 15, 2]),
+    # deterministic=True, run twice (and once more without it), a noisy backend first in line
+    "deterministic_noisy_first_causal_zigzag_gqa": dict(causal=True, heads_kv=2, deterministic=True),
+    "deterministic_noisy_first_allgather_window_alibi_sinks": dict(window=(4, 2), alibi="batch", sinks=True,
+                                                                   exchange="allgather", deterministic=True),
+    "deterministic_noisy_first_prefix_pieces": dict(causal=True, lengths_k=[9, 4, 1, 20, 3, 15, 2], kv_pieces=2,
+                                                    deterministic=True),
 }
 # float32 is the contract; bfloat16 also rounds each local call's output before the merge, and
 # float64 is limited by the float32 lse the backends return
@@ -98,8 +106,6 @@ def _compare(case: dict, rank: int, world: int, dist) -> None:
     mine_k = lambda t: shard_varlen(t, cu_k, rank, world, sharding=sharding)[0]  # noqa: E731
     cu_mine = shard_varlen(q, cu, rank, world, sharding=sharding)[1]
     cu_k_mine = shard_varlen(k, cu_k, rank, world, sharding=sharding)[1]
-    part = [mine(q).clone().requires_grad_(grad)] + [mine_k(t).clone().requires_grad_(grad) for t in (k, v)]
-    my_sinks = sinks.clone().requires_grad_(grad) if sinks is not None else None
     ran = {"kernel": 0, "torch": 0}
     original = varlen_block.BlockBackward.add
 
@@ -117,13 +123,32 @@ def _compare(case: dict, rank: int, world: int, dist) -> None:
         return original_shift(self, tensors, tag, out)
 
     exchange.Ring.shift = shift
-    try:
+
+    def run(deterministic):
+        """This rank's ``(q, k, v leaves, sinks leaf, out, lse)`` of one ring call (and its backward)."""
+        part = [mine(q).clone().requires_grad_(grad)] + [mine_k(t).clone().requires_grad_(grad) for t in (k, v)]
+        my_sinks = sinks.clone().requires_grad_(grad) if sinks is not None else None
         with torch.set_grad_enabled(grad):
             out, lse = ring_attention(*part, cu_seqlens_q=cu_mine, cu_seqlens_k=cu_k_mine, sharding=sharding,
                                       sinks=my_sinks, backend=backend, exchange=case.get("exchange", "ring"),
-                                      kv_pieces=case.get("kv_pieces", 1), return_lse=True, **options)
+                                      kv_pieces=case.get("kv_pieces", 1), deterministic=deterministic,
+                                      return_lse=True, **options)
             if grad:
                 out.backward(mine(dout))
+        return part, my_sinks, out, lse
+
+    repeats = None
+    try:
+        if "deterministic" in case:
+            noisy = _noisy_backend()
+            with attnx.registered(noisy):
+                part, my_sinks, out, lse = run(case["deterministic"])
+                again = run(case["deterministic"])
+                avoided = "backward" not in noisy.calls
+                control = run(None)  # the dispatcher's first choice again: the noisy backward
+            repeats = (again, control, avoided, "backward" in noisy.calls)
+        else:
+            part, my_sinks, out, lse = run(None)
     finally:
         varlen_block.BlockBackward.add = original
         exchange.Ring.shift = original_shift
@@ -157,6 +182,8 @@ def _compare(case: dict, rank: int, world: int, dist) -> None:
             assert ran[expected] > 0 and ran["kernel" if expected == "torch" else "torch"] == 0, f"ran {ran}"
     torch.testing.assert_close(gathered_q, q, msg="gather_varlen(shard_varlen(q)) == q")
     assert torch.equal(gathered_cu, cu)
+    if repeats is not None:
+        _check_repeats(part + [my_sinks], out, *repeats)
 
 
 def _check_errors(rank: int, world: int) -> None:
@@ -195,6 +222,18 @@ def _check_errors(rank: int, world: int) -> None:
     # options differ between ranks
     with pytest.raises(attnx.InvalidArgumentError, match="options"):
         ring_attention(mine, mine, mine, cu_seqlens_q=cu_mine, cu_seqlens_k=cu_mine, causal=rank == 0)
+    # deterministic: a rank's own bad value; ranks that require it differently (with gradients)
+    packed = dict(cu_seqlens_q=cu_mine, cu_seqlens_k=cu_mine)
+    error = attnx.InvalidTypeError if rank == 0 else attnx.InvalidArgumentError
+    with pytest.raises(error, match="`deterministic`|rank"):
+        ring_attention(mine, mine, mine, deterministic=None if rank else 0, **packed)
+    leaf = mine.clone().requires_grad_()
+    with pytest.raises(attnx.InvalidArgumentError, match="different deterministic"):
+        ring_attention(leaf, mine, mine, deterministic=rank == world - 1, **packed)
+    # per-sequence ALiBi slopes that differ on one rank: every rank raises
+    slopes = torch.tensor([[0.5, 0.25], [0.125, 0.0625]])
+    with pytest.raises(attnx.InvalidArgumentError, match="different alibi_slopes values"):
+        ring_attention(mine, mine, mine, alibi_slopes=slopes.flip(0) if rank == 0 else slopes, **packed)
     out = ring_attention(mine, mine, mine, cu_seqlens_q=cu_mine, cu_seqlens_k=cu_mine, causal=True)  # still works
     assert out.shape == mine.shape
 

@@ -13,8 +13,8 @@ from .varlen_validate import check_varlen_call
 
 def ring_attention(q, k, v, *, group=None, sharding="zigzag", causal=False, window=None, offset=None, scale=None,
                    softcap=None, alibi_slopes=None, sinks=None, layout="bhsd", backend=None, exchange="auto",
-                   kv_pieces=1, return_lse=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                   max_seqlen_k=None):
+                   kv_pieces=1, deterministic=None, return_lse=False, cu_seqlens_q=None, cu_seqlens_k=None,
+                   max_seqlen_q=None, max_seqlen_k=None):
     """This rank's shard of exact attention over a sequence sharded across `group` (context parallelism).
 
     Every rank of `group` calls it at the same time with its shard of one sequence of
@@ -45,6 +45,14 @@ def ring_attention(q, k, v, *, group=None, sharding="zigzag", causal=False, wind
             ``kv_pieces`` times as many messages and local calls, each that much smaller.
             1 (the default): whole blocks. 8 suits long sequences (docs/distributed.md,
             "Memory per rank"). Not with ``exchange="allgather"``.
+        deterministic: as in `attnx.attention`, for every block's backward: None (default) follows
+            ``torch.use_deterministic_algorithms``; True requires a deterministic backward (a named
+            `backend` whose backward is not raises `attnx.NoBackendError` on every rank; the
+            dispatcher skips such backends, or the ring's own torch-ops rule runs the block);
+            False never overrides torch's switch. The ring merges blocks and adds dK/dV in a fixed
+            order, so with deterministic blocks the gradients are bitwise identical run to run
+            (``exchange="allgather"``: as far as the process group's reduce-scatter is). Fixed at
+            the forward; every rank must require it alike.
         return_lse: also return ``lse``, float32 ``(B, Hq, S_local)`` (not differentiable).
         cu_seqlens_q, cu_seqlens_k: packed (varlen) shards: q ``(Tq_rank, Hq, D)``, k and v
             ``(Tk_rank, Hkv, D)`` hold this rank's piece(s) of every sequence of the batch, one
@@ -64,7 +72,8 @@ def ring_attention(q, k, v, *, group=None, sharding="zigzag", causal=False, wind
     replicated parameter's: sum over the group, as DDP/FSDP do, for the full gradient).
     Every rank must call backward. Typed errors (`attnx.InvalidArgumentError`,
     `attnx.InvalidTypeError`, `attnx.NoBackendError`) are raised before any K/V moves, on
-    every rank when any rank's arguments are rejected or the ranks disagree.
+    every rank when any rank's arguments are rejected or the ranks disagree (the values of
+    ``alibi_slopes`` included: a checksum of them travels with the signature the ranks compare).
 
     Equivalent PyTorch (``full`` gathers a sequence from every rank's shard)::
 
@@ -86,7 +95,7 @@ def ring_attention(q, k, v, *, group=None, sharding="zigzag", causal=False, wind
                                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, sinks=sinks,
                                  sharding=sharding, causal=causal, window=window, offset=offset, scale=scale,
                                  softcap=softcap, alibi_slopes=alibi_slopes, layout=layout, backend=backend,
-                                 exchange=exchange, kv_pieces=kv_pieces)
+                                 exchange=exchange, kv_pieces=kv_pieces, deterministic=deterministic)
         function = VarlenAllGatherAttention
         if spec.ring.exchange == "ring":
             pieced = spec.ring.kv_pieces > 1 and spec.ring.world_size > 1
@@ -99,7 +108,7 @@ def ring_attention(q, k, v, *, group=None, sharding="zigzag", causal=False, wind
                                        f"this call has none (got {name}={given!r})")
     spec = check_call(q, k, v, group=group, sinks=sinks, sharding=sharding, causal=causal, window=window,
                       offset=offset, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, layout=layout,
-                      backend=backend, exchange=exchange, kv_pieces=kv_pieces)
+                      backend=backend, exchange=exchange, kv_pieces=kv_pieces, deterministic=deterministic)
     function = AllGatherAttention
     if spec.exchange == "ring":  # one rank: nothing travels, pieces or not
         function = PiecedRingAttention if spec.kv_pieces > 1 and spec.world_size > 1 else RingAttention

@@ -5,8 +5,9 @@ and ``lse`` of the rank's rows and the pair's global ``offset``: the backend's o
 kernel (the dispatcher's choice, or the backend named), whose dQ/dK/dV of the pair are its
 share of the whole sequence's gradients. When no backend takes a given lse for a pair (float64
 inputs; a named backend, like ``naive``, that recomputes its own softmax normaliser:
-`attnx.Backend.backward_uses_given_lse`), that pair runs the same rule in torch ops
-(`backward.backward_block`).
+`attnx.Backend.backward_uses_given_lse`), or none that does has a deterministic backward when the
+call requires one (``spec.deterministic``), that pair runs the same rule in torch ops
+(`backward.backward_block`: fixed order, deterministic).
 
 Each pair is cut into pieces of about ``1 / PIECES`` of its query rows and key columns (at least
 ``MIN_PIECE_ROWS`` each): with the global lse any piece's gradients are exact on their own, so
@@ -70,7 +71,7 @@ class BlockBackward:
                         self.lse.narrow(2, qc.start, qc.length), rows(self.dout, qc),
                         window=(spec.window_left, spec.window_right) if seen == SOME else None, offset=offset,
                         scale=spec.scale, softcap=spec.softcap, alibi_slopes=spec.alibi_slopes,
-                        backend=spec.backend)
+                        deterministic=spec.deterministic, backend=spec.backend)
                 except NoBackendError:
                     self._on_kernel[key] = False
                 else:

@@ -27,7 +27,7 @@ def attend_pair(spec: RingSpec, q, k, v, qc: Chunk, kc: Chunk, seen: str):
                      window=(spec.window_left, spec.window_right) if seen == SOME else None,
                      offset=qc.position + spec.offset - kc.position if positional else None,
                      scale=spec.scale, softcap=spec.softcap, alibi_slopes=spec.alibi_slopes,
-                     backend=spec.backend, return_lse=True)
+                     deterministic=spec.deterministic, backend=spec.backend, return_lse=True)
 
 
 class Partials:

@@ -33,6 +33,9 @@ class RingSpec:
     backend: Optional[str]
     exchange: str
     kv_pieces: int = 1  # the ring's K/V (and dK/dV) travel in this many pieces, one after the other
+    # the blocks' backward must be deterministic (deterministic=True or torch's switch, with gradients),
+    # fixed at the forward as `attnx.attention` fixes it; every local call gets it
+    deterministic: bool = False
 
     def chunks(self, rank: int) -> tuple[Chunk, ...]:
         """The chunks of rank `rank`'s shard."""

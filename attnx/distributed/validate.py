@@ -2,10 +2,12 @@
 
 1. The process group (`group.resolve_group`): raised at once, nothing can be exchanged without it.
 2. The rank's own arguments: the contract of `attnx.attention` on the shard (`attnx.make_problem`),
-   the ring's own options, and whether the backend accepts every block this rank will compute.
+   the ring's own options, and whether the backend accepts every block this rank will compute
+   (and, when the backward must be deterministic, a named backend's backward: `agreement.py`).
 3. One small all-gather of each rank's signature: when a rank's arguments were rejected, or the
-   ranks disagree (shapes, dtype, options, whether gradients are needed), every rank raises,
-   so no rank is left waiting in the ring.
+   ranks disagree (shapes, dtype, options, whether the backward must be deterministic, the
+   ALiBi slopes' values, whether gradients are needed), every rank raises, so no rank is left
+   waiting in the ring.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from ..api import plan
 from ..errors import AttnxError, InvalidArgumentError, InvalidTypeError
 from ..problem import make_problem
 from ..registry import get_backend
+from .agreement import check_named_backend, slopes_checksum
 from .schedule import SOME, pairs
 from .group import resolve_group
 from .kv_pieces import kv_pieces as cut_pieces
@@ -28,7 +31,8 @@ from .sharding import check_shard_length, check_sharding
 from .spec import RingSpec
 
 _FIELDS = ("rejected", "batch", "heads_q", "heads_kv", "shard length", "head_dim", "head_dim_v", "dtype",
-           "layout", "sharding", "exchange", "needs_grad", "sinks", "alibi_slopes", "kv_pieces", "options")
+           "layout", "sharding", "exchange", "needs_grad", "sinks", "alibi_slopes", "kv_pieces", "options",
+           "deterministic", "alibi_slopes values")
 _CODES = {"bhsd": 0, "bshd": 1, "zigzag": 0, "contiguous": 1, "ring": 0, "allgather": 1}
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 
@@ -60,10 +64,10 @@ def _check_backend_accepts(spec: RingSpec, q, k, v) -> None:
 
 
 def local_spec(q, k, v, group, rank, world_size, *, sharding, causal, window, offset, scale, softcap,
-               alibi_slopes, sinks, layout, backend, exchange, kv_pieces) -> RingSpec:
+               alibi_slopes, sinks, layout, backend, exchange, kv_pieces, deterministic) -> RingSpec:
     """The rank's checked `RingSpec` (typed errors for its own arguments; no communication)."""
     p = make_problem(q, k, v, causal=causal, window=window, offset=offset, scale=scale, softcap=softcap,
-                     alibi_slopes=alibi_slopes, sinks=sinks, layout=layout)
+                     alibi_slopes=alibi_slopes, sinks=sinks, layout=layout, deterministic=deterministic)
     if p.seqlen_q != p.seqlen_k:
         raise InvalidArgumentError(f"q, k and v shards must hold the same tokens: q has {p.seqlen_q} rows, "
                                    f"k and v {p.seqlen_k}")
@@ -73,6 +77,7 @@ def local_spec(q, k, v, group, rank, world_size, *, sharding, causal, window, of
     kv_pieces = check_kv_pieces(kv_pieces, exchange)
     if backend is not None:
         get_backend(backend)  # unknown names raise
+    check_named_backend(backend, p)
     if exchange == "auto" and kv_pieces > 1:  # the least memory: only the ring gives it
         exchange = "ring"
     if exchange == "auto":
@@ -81,7 +86,8 @@ def local_spec(q, k, v, group, rank, world_size, *, sharding, causal, window, of
     spec = RingSpec(group=group, rank=rank, world_size=world_size, sharding=sharding, layout=layout,
                     shard_len=p.seqlen_q, scale=p.scale, softcap=p.softcap, window_left=p.window_left,
                     window_right=p.window_right, offset=0 if offset is None else operator.index(offset),
-                    alibi_slopes=alibi_slopes, backend=backend, exchange=exchange, kv_pieces=kv_pieces)
+                    alibi_slopes=alibi_slopes, backend=backend, exchange=exchange, kv_pieces=kv_pieces,
+                    deterministic=p.deterministic)
     bhsd = [t.transpose(1, 2) if layout == "bshd" else t for t in (q, k, v)]
     _check_backend_accepts(spec, *bhsd)
     return spec
@@ -89,16 +95,20 @@ def local_spec(q, k, v, group, rank, world_size, *, sharding, causal, window, of
 
 def _signature(spec: Optional[RingSpec], q, k, v, sinks) -> list[int]:
     if spec is None:
-        return [1] + [0] * (len(_FIELDS) - 1)
+        return [1] + [0] * (len(_FIELDS) - 2)  # the slopes' checksum follows (`_agree`)
     options = repr((spec.window_left, spec.window_right, spec.offset, spec.scale, spec.softcap, spec.backend))
     heads = 1 if spec.layout == "bhsd" else 2
     return [0, q.shape[0], q.shape[heads], k.shape[heads], spec.shard_len, q.shape[-1], v.shape[-1], _DTYPES[q.dtype],
             _CODES[spec.layout], _CODES[spec.sharding], _CODES[spec.exchange], int(_needs_grad(q, k, v, sinks)),
-            int(sinks is not None), int(spec.alibi_slopes is not None), spec.kv_pieces, zlib.crc32(options.encode())]
+            int(sinks is not None), int(spec.alibi_slopes is not None), spec.kv_pieces, zlib.crc32(options.encode()),
+            int(spec.deterministic)]
 
 
-def _agree(group, world_size: int, mine: list[int], device) -> list[list[int]]:
+def _agree(group, world_size: int, mine: list[int], device, *extra: torch.Tensor) -> list[list[int]]:
+    """Every rank's signature `mine` (host ints) followed by `extra` int64 tensors already on `device`."""
     t = torch.tensor(mine, dtype=torch.int64, device=device)
+    if extra:
+        t = torch.cat([t, *extra])
     gathered = [torch.empty_like(t) for _ in range(world_size)]
     dist.all_gather(gathered, t, group=group)
     return [g.tolist() for g in gathered]
@@ -122,7 +132,9 @@ def check_call(q, k, v, *, group, sinks, **options) -> RingSpec:
         if error is not None:
             raise error
         return spec
-    rows = _agree(group, world_size, _signature(spec, q, k, v, sinks), _signature_device(group))
+    device = _signature_device(group)
+    slopes = slopes_checksum(None if spec is None else spec.alibi_slopes, device)
+    rows = _agree(group, world_size, _signature(spec, q, k, v, sinks), device, slopes)
     if error is not None:
         raise error
     raise_on_disagreement(rows, _FIELDS, "shards of one shape")

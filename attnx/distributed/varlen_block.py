@@ -5,8 +5,9 @@ return_lse=True)` on the spans it covers, merged into the shard's running ``(out
 through the lse (as `attnx.merge`). Backward: each is `attnx.attention_backward` with the
 shard's **global** ``out`` and ``lse`` (a backend's own kernel, whose gradients are then the
 call's share of the whole batch's), added into the accumulators; when no backend takes a given
-lse (float64 by default, ``backend="naive"``), its pairs run FlashAttention's rule in torch ops
-(`backward._pair_backward`) one sequence at a time.
+lse (float64 by default, ``backend="naive"``), or none that does has a deterministic backward when
+the call requires one, its pairs run FlashAttention's rule in torch ops
+(`backward._pair_backward`, deterministic) one sequence at a time.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def _options(spec: VarlenSpec, call: SubCall) -> dict:
     ring = spec.ring
     return dict(cu_seqlens_q=call.cu_q, cu_seqlens_k=call.cu_k, max_seqlen_q=call.max_q, max_seqlen_k=call.max_k,
                 window=call.window, offset=call.offset, scale=ring.scale, softcap=ring.softcap,
-                alibi_slopes=call.alibi_slopes, backend=ring.backend)
+                alibi_slopes=call.alibi_slopes, deterministic=ring.deterministic, backend=ring.backend)
 
 
 class Accumulator:

@@ -2,7 +2,8 @@
 
 As the dense ring (`validate.py`): the rank's own arguments first (the varlen contract of
 `attnx.attention` on the shard, whether a backend takes the calls), then one all-gather of a
-signature so every rank raises when one rank's arguments were rejected or the ranks disagree.
+signature (the ALiBi slopes' checksum included: `agreement.py`) so every rank raises when one
+rank's arguments were rejected or the ranks disagree.
 Then a second small all-gather of each rank's share of every sequence (its ``cu_seqlens``):
 every rank learns the whole batch's cut of queries and of keys (`VarlenLayout`, one each) and
 checks it is the sharding's, so every rank raises the same error when it is not.
@@ -18,6 +19,7 @@ from ..api import plan
 from ..errors import AttnxError, InvalidArgumentError
 from ..problem import make_problem
 from ..registry import get_backend
+from .agreement import check_named_backend, slopes_checksum
 from .group import resolve_group
 from .rule import EXCHANGES, check_kv_pieces, choose_exchange
 from .sharding import check_sharding
@@ -27,16 +29,16 @@ from .varlen_calls import VarlenSpec
 from .varlen_sharding import _layout_from_shards, read_cu_seqlens
 
 _FIELDS = ("rejected", "batch", "heads_q", "heads_kv", "head_dim", "head_dim_v", "dtype", "sharding", "exchange",
-           "needs_grad", "sinks", "alibi_slopes", "kv_pieces", "options")
+           "needs_grad", "sinks", "alibi_slopes", "kv_pieces", "options", "deterministic", "alibi_slopes values")
 
 
 def _local(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, sharding, causal, window, offset,
-           scale, softcap, alibi_slopes, sinks, layout, backend, exchange, kv_pieces):
+           scale, softcap, alibi_slopes, sinks, layout, backend, exchange, kv_pieces, deterministic):
     """``(Problem, this rank's cu_seqlens_q and cu_seqlens_k values, one list)``: typed errors for the rank's own
     arguments, no communication."""
     p = make_problem(q, k, v, causal=causal, window=window, offset=offset, scale=scale, softcap=softcap,
                      alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, layout=layout)
+                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, layout=layout, deterministic=deterministic)
     cu = read_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
     cu += read_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0])  # as long: make_problem checked B
     check_sharding(sharding)
@@ -45,6 +47,7 @@ def _local(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, s
     check_kv_pieces(kv_pieces, exchange)
     if backend is not None:
         get_backend(backend)  # unknown names raise
+    check_named_backend(backend, p)
     positional = p.window_left is not None or p.window_right is not None or alibi_slopes is not None
     with torch.no_grad():  # the kinds of local call the blocks make: NoBackendError now, on this rank
         kinds = [dict(window=None, offset=None, alibi_slopes=None)]
@@ -60,17 +63,17 @@ def _local(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, s
 
 def _signature(p, q, k, v, sinks, alibi_slopes, sharding, exchange, offset, backend, kv_pieces) -> list[int]:
     if p is None:
-        return [1] + [0] * (len(_FIELDS) - 1)
+        return [1] + [0] * (len(_FIELDS) - 2)  # the slopes' checksum follows (`_agree`)
     options = repr((p.window_left, p.window_right, offset, p.scale, p.softcap, backend))
     slopes = 0 if alibi_slopes is None else alibi_slopes.dim()
     return [0, p.batch, q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], _DTYPES[q.dtype], _CODES[sharding],
             EXCHANGES.index(exchange), int(_needs_grad(q, k, v, sinks)), int(sinks is not None), slopes,
-            operator.index(kv_pieces), zlib.crc32(options.encode())]
+            operator.index(kv_pieces), zlib.crc32(options.encode()), int(p.deterministic)]
 
 
 def check_varlen_call(q, k, v, *, group, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, sharding,
                       causal, window, offset, scale, softcap, alibi_slopes, layout, backend,
-                      exchange, kv_pieces) -> VarlenSpec:
+                      exchange, kv_pieces, deterministic) -> VarlenSpec:
     """The call's `VarlenSpec`, the same on every rank of the group, or a typed error on every rank."""
     group, rank, world_size = resolve_group(group)
     p, cu, error = None, None, None
@@ -78,13 +81,13 @@ def check_varlen_call(q, k, v, *, group, cu_seqlens_q, cu_seqlens_k, max_seqlen_
         p, cu = _local(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sharding=sharding,
                        causal=causal, window=window, offset=offset, scale=scale, softcap=softcap,
                        alibi_slopes=alibi_slopes, sinks=sinks, layout=layout, backend=backend,
-                       exchange=exchange, kv_pieces=kv_pieces)
+                       exchange=exchange, kv_pieces=kv_pieces, deterministic=deterministic)
     except AttnxError as e:
         error = e
-    device = _signature_device(group)
+    device = _signature_device(group) if world_size > 1 else None  # (a group of one exchanges nothing)
     if world_size > 1:
         mine = _signature(p, q, k, v, sinks, alibi_slopes, sharding, exchange, offset, backend, kv_pieces)
-        rows = _agree(group, world_size, mine, device)
+        rows = _agree(group, world_size, mine, device, slopes_checksum(None if p is None else alibi_slopes, device))
     if error is not None:
         raise error
     if world_size > 1:
@@ -107,7 +110,8 @@ def check_varlen_call(q, k, v, *, group, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     ring = RingSpec(group=group, rank=rank, world_size=world_size, sharding=sharding, layout="varlen",
                     shard_len=layout.tokens(rank), scale=p.scale, softcap=p.softcap, window_left=p.window_left,
                     window_right=p.window_right, offset=0 if offset is None else operator.index(offset),
-                    alibi_slopes=alibi_slopes, backend=backend, exchange=exchange, kv_pieces=kv_pieces)
+                    alibi_slopes=alibi_slopes, backend=backend, exchange=exchange, kv_pieces=kv_pieces,
+                    deterministic=p.deterministic)
     shift = ()
     if kv_layout is not None and offset is None:  # bottom-right: each sequence's queries end with its keys
         shift = tuple(n_k - n_q for n_q, n_k in zip(layout.lengths, kv_layout.lengths))
