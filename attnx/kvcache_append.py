@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from .errors import InvalidArgumentError, InvalidTypeError
+from .index_checks import check_offsets
 
 LAYOUTS = ("bhsd", "bshd")
 
@@ -25,8 +26,11 @@ def check_layout(layout) -> None:
         raise InvalidArgumentError(f"`layout` must be 'bhsd' or 'bshd', got {layout!r}")
 
 
-def packed_counts(cu_seqlens, batch: int, total: int) -> list[int]:
-    """New tokens per sequence from int32 ``cu_seqlens`` ``(batch + 1,)`` (one host read: a sync on a GPU)."""
+def packed_counts(cu_seqlens, batch: int, total: int, tensor: str = "q") -> list[int]:
+    """New tokens per sequence from int32 ``cu_seqlens`` ``(batch + 1,)`` (one host read: a sync on a GPU).
+
+    ``tensor`` names the packed tensor of ``total`` rows, for the message of a bad entry.
+    """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise InvalidTypeError(f"`cu_seqlens` must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype != torch.int32:
@@ -35,8 +39,7 @@ def packed_counts(cu_seqlens, batch: int, total: int) -> list[int]:
         raise InvalidArgumentError(f"`cu_seqlens` must have shape ({batch + 1},) (batch + 1), "
                                    f"got {tuple(cu_seqlens.shape)}")
     values = cu_seqlens.tolist()
-    if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values, values[1:])):
-        raise InvalidArgumentError(f"`cu_seqlens` must rise from 0 to the packed length {total}, got {values}")
+    check_offsets("cu_seqlens", values, total, tensor)
     return [b - a for a, b in zip(values, values[1:])]
 
 
@@ -77,7 +80,7 @@ def new_tokens(cache, k, v, layout: str, cu_seqlens: Optional[torch.Tensor]) -> 
         if tuple(t.shape) != want:
             raise InvalidArgumentError(f"`{name}` must have shape {want} {_describe(layout, packed)} for this "
                                        f"cache, got {tuple(t.shape)}")
-    counts = packed_counts(cu_seqlens, cache.batch, tokens) if packed else [tokens] * cache.batch
+    counts = packed_counts(cu_seqlens, cache.batch, tokens, "k") if packed else [tokens] * cache.batch
     used = cache.seqlens
     full = [b for b in range(cache.batch) if used[b] + counts[b] > cache.capacity]
     if full:

@@ -478,7 +478,7 @@ def noisy(clean_registry):
 
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 def test_deterministic_reaches_every_block_call(one_rank, noisy, monkeypatch, packed):
-    """The ring's forward and backward block calls get ``deterministic``; the dispatcher then skips the noisy backward."""
+    """The ring's forward and backward block calls get ``deterministic``: the dispatcher skips the noisy backward."""
     from attnx.distributed import forward, varlen_block
 
     gen = torch.Generator().manual_seed(3)

@@ -299,8 +299,13 @@ def test_shard_varlen_pieces():
 
 def test_shard_varlen_errors():
     x = torch.randn(5, 2)
-    with pytest.raises(attnx.InvalidArgumentError, match="cu_seqlens"):
+    # a bad entry is named (attnx.index_checks.check_offsets)
+    with pytest.raises(attnx.InvalidArgumentError, match=r"`cu_seqlens`\[2\] = 4, must equal .* \(`x` has 5 rows\)"):
         shard_varlen(x, torch.tensor([0, 2, 4], dtype=torch.int32), 0, 2)
+    with pytest.raises(attnx.InvalidArgumentError, match=r"`cu_seqlens`\[0\] = 1, must be 0"):
+        shard_positions_varlen(torch.tensor([1, 2, 5], dtype=torch.int32), 0, 2)
+    with pytest.raises(attnx.InvalidArgumentError, match=r"`cu_seqlens\[1\]`\[2\] = 1 < `cu_seqlens\[1\]`\[1\] = 3"):
+        unshard_varlen([x[:2], x[:3]], [torch.tensor(cu, dtype=torch.int32) for cu in ([0, 1, 2], [0, 3, 1])])
     with pytest.raises(attnx.InvalidTypeError, match="cu_seqlens"):
         shard_varlen(x, [0, 5], 0, 2)
     with pytest.raises(attnx.InvalidArgumentError, match="rank"):

@@ -271,9 +271,12 @@ def test_bad_new_tokens_name_the_argument_before_any_write():
         cache.append(good, good, layout="sbhd")
     with pytest.raises(InvalidTypeError, match="`cu_seqlens`"):
         cache.append(good[0].transpose(0, 1), good[0].transpose(0, 1), cu_seqlens=torch.tensor([0, 1, 1]))
-    with pytest.raises(InvalidArgumentError, match="`cu_seqlens`"):
+    with pytest.raises(InvalidArgumentError, match=r"`cu_seqlens`\[2\] = 0 < `cu_seqlens`\[1\] = 1"):
         cache.append(good[0].transpose(0, 1), good[0].transpose(0, 1),
                      cu_seqlens=torch.tensor([0, 1, 0], dtype=torch.int32))
+    with pytest.raises(InvalidArgumentError, match=r"`cu_seqlens`\[2\] = 2, must equal .* \(`k` has 1 rows\)"):
+        cache.append(good[0].transpose(0, 1), good[0].transpose(0, 1),
+                     cu_seqlens=torch.tensor([0, 1, 2], dtype=torch.int32))
     # attend: a bad q, option or backend is refused before the new tokens are written
     for q, options, error, name in [
         (torch.randn(2, 4, 1, 16, dtype=torch.float64), {}, InvalidTypeError, "dtype"),
@@ -511,6 +514,8 @@ def test_cache_plan_with_packed_queries_and_bshd(kind):
     assert a.seqlens == [6, 5, 4]
     with pytest.raises(InvalidArgumentError, match="max_seqlen_q"):
         a.plan(torch.randn(5, 4, 16), cu_seqlens=cu0, causal=True)
+    with pytest.raises(InvalidArgumentError, match=r"`cu_seqlens`\[3\] = 4, must equal .* \(`q` has 5 rows\)"):
+        step.run(torch.randn(5, 4, 16), cu_seqlens=torch.tensor([0, 2, 2, 4], dtype=torch.int32))
     step = a.plan(torch.randn(3, 1, 4, 16), layout="bshd", causal=True)
     q, k, v = torch.randn(3, 1, 4, 16), torch.randn(3, 1, 2, 16), torch.randn(3, 1, 2, 16)
     torch.testing.assert_close(step.run(q, k, v), b.attend(q, k, v, layout="bshd", causal=True), rtol=0, atol=0)

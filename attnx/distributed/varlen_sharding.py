@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 
 from ..errors import InvalidArgumentError, InvalidTypeError
+from ..index_checks import check_offsets
 from .sharding import _rank_and_world, check_sharding, piece_indices, pieces
 
 
@@ -81,16 +82,18 @@ class VarlenLayout:
         return cu
 
 
-def read_cu_seqlens(name: str, cu, total: int) -> list[int]:
-    """The values of an int32/int64 ``(B + 1,)`` tensor rising from 0 to `total` (one host sync)."""
+def read_cu_seqlens(name: str, cu, total: int, tensor: str) -> list[int]:
+    """The values of an int32/int64 ``(B + 1,)`` tensor rising from 0 to `total`, the rows of `tensor` (one host sync).
+
+    A bad entry raises `InvalidArgumentError` naming it (`attnx.index_checks.check_offsets`).
+    """
     if not isinstance(cu, torch.Tensor):
         raise InvalidTypeError(f"`{name}` must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1 or cu.numel() < 1:
         raise InvalidArgumentError(f"`{name}` must be a 1-D int32 tensor of B + 1 offsets, got "
                                    f"{str(cu.dtype).replace('torch.', '')} of shape {tuple(cu.shape)}")
     values = cu.tolist()
-    if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values, values[1:])):
-        raise InvalidArgumentError(f"`{name}` must rise from 0 to the packed length {total}, got {values}")
+    check_offsets(name, values, total, tensor)
     return values
 
 
@@ -132,7 +135,7 @@ def shard_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, rank: int, world_siz
     rank, world_size = _rank_and_world(rank, world_size)
     check_sharding(sharding)
     _packed(x)
-    cu = read_cu_seqlens("cu_seqlens", cu_seqlens, x.shape[0])
+    cu = read_cu_seqlens("cu_seqlens", cu_seqlens, x.shape[0], "x")
     layout = VarlenLayout(_lengths(cu), world_size, sharding)
     ranges = sorted((c.start, cu[c.seq] + c.position, c.length) for slot in layout.slots(rank) for c in slot)
     shard = _rows(x, [(a, n) for _, a, n in ranges])
@@ -169,7 +172,8 @@ def unshard_varlen(shards: Sequence[torch.Tensor], cu_seqlens: Sequence[torch.Te
         raise InvalidArgumentError(f"give one cu_seqlens per shard, got {len(shards)} shards and {len(cus)}")
     for s in shards:
         _packed(s, "shards")
-    values = [read_cu_seqlens(f"cu_seqlens[{r}]", cu, s.shape[0]) for r, (s, cu) in enumerate(zip(shards, cus))]
+    values = [read_cu_seqlens(f"cu_seqlens[{r}]", cu, s.shape[0], f"shards[{r}]")
+              for r, (s, cu) in enumerate(zip(shards, cus))]
     layout = _layout_from_shards(values, sharding, "cu_seqlens")
     where = {}  # (sequence, piece) -> (rank, chunk)
     for rank in range(len(shards)):
@@ -202,7 +206,8 @@ def shard_positions_varlen(cu_seqlens: torch.Tensor, rank: int, world_size: int,
     check_sharding(sharding)
     if not isinstance(cu_seqlens, torch.Tensor):
         raise InvalidTypeError(f"`cu_seqlens` must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    cu = read_cu_seqlens("cu_seqlens", cu_seqlens, int(cu_seqlens[-1]) if cu_seqlens.numel() else 0)
+    # the whole batch's offsets, no tensor beside them: they end where they end
+    cu = read_cu_seqlens("cu_seqlens", cu_seqlens, int(cu_seqlens[-1]) if cu_seqlens.numel() else 0, "cu_seqlens")
     layout = VarlenLayout(_lengths(cu), world_size, sharding)
     chunks = sorted((c for slot in layout.slots(rank) for c in slot), key=lambda c: c.start)
     parts = [torch.arange(c.position, c.position + c.length, device=device) for c in chunks if c.length]
@@ -223,7 +228,7 @@ def gather_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, *, group=None,
     group, _, world_size = resolve_group(group)
     check_sharding(sharding)
     _packed(x)
-    mine = read_cu_seqlens("cu_seqlens", cu_seqlens, x.shape[0])
+    mine = read_cu_seqlens("cu_seqlens", cu_seqlens, x.shape[0], "x")
     device = _collective_device(group, x)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size)]
     dist.all_gather(sizes, torch.tensor([len(mine)], dtype=torch.int64, device=device), group=group)

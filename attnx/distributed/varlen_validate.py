@@ -39,8 +39,8 @@ def _local(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, s
     p = make_problem(q, k, v, causal=causal, window=window, offset=offset, scale=scale, softcap=softcap,
                      alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, layout=layout, deterministic=deterministic)
-    cu = read_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
-    cu += read_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0])  # as long: make_problem checked B
+    cu = read_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q")
+    cu += read_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k")  # as long: make_problem checked B
     check_sharding(sharding)
     if exchange not in EXCHANGES:
         raise InvalidArgumentError(f"`exchange` must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
