@@ -18,6 +18,7 @@ class PagedBuffer(NamedTuple):
     keys: int
     gathered: torch.Tensor             # whole pages, in the pool's dtype
     converted: Optional[torch.Tensor]  # the tile in the accumulation dtype (None: it is the pool's)
+    aligned: Optional[tuple]           # views of a chunk of `keys` keys starting on a page (made once)
 
 
 class PagedKV:
@@ -41,11 +42,22 @@ class PagedKV:
         converted = None
         if self.dtype != acc:
             converted = torch.empty(keys * heads * width, dtype=acc, device=self.device)
-        return PagedBuffer(keys, gathered, converted)
+        aligned = None
+        if keys % self.page_size == 0:  # the usual chunk: whole pages, views made here once
+            pages_view = gathered[: keys * heads * width].view(keys // self.page_size, *self.pool.shape[1:])
+            rows = converted.view(keys, heads, width) if converted is not None else pages_view.flatten(0, 1)
+            aligned = (pages_view, rows, rows.transpose(0, 1))
+        return PagedBuffer(keys, gathered, converted, aligned)
 
     def tile(self, j0: int, j1: int, buffer: PagedBuffer) -> torch.Tensor:
         """Keys ``[j0, j1)`` (at most ``buffer.keys``) as ``(Hkv, j1 - j0, D)``, token-major in memory."""
         first, last = j0 // self.page_size, -(-j1 // self.page_size)
+        if buffer.aligned is not None and j1 - j0 == buffer.keys and j0 % self.page_size == 0:
+            pages_view, rows, keys_first = buffer.aligned
+            torch.index_select(self.pool, 0, self.pages[first:last], out=pages_view)
+            if buffer.converted is not None:
+                rows.copy_(pages_view.flatten(0, 1))
+            return keys_first
         page_shape = self.pool.shape[1:]
         gathered = buffer.gathered[: (last - first) * self.pool[0].numel()].view(last - first, *page_shape)
         torch.index_select(self.pool, 0, self.pages[first:last], out=gathered)
