@@ -35,7 +35,11 @@ class CudaBackend(Backend):
     max_head_dim = HEAD_DIM_TILES[-1]
     mask_kinds = frozenset()          # dense masks are not implemented in the kernels
     supports_mask_grad = False
-    deterministic = False             # dQ is accumulated with fp32 atomics
+    # The dispatched backward adds dQ with fp32 atomics. The deterministic backward (launch_deterministic.py:
+    # the same kernel without atomic dQ, then a dQ pass) is written but has never run on a GPU: set this to
+    # True once `python -m benchmarks.cuda_deterministic check` passes on one (NOTES.md, "Deterministic
+    # backward"); `backward` below then sends deterministic problems there.
+    deterministic = False
     supports_offset = True
     supports_sinks = True
     # measured on the H200 (2026-12-01, bf16, paper setting, benchmarks/results/h200-2026-12-01/
@@ -60,7 +64,8 @@ class CudaBackend(Backend):
     def extra_reasons(self, p) -> list[str]:
         from .families import family_for
         from .launch import MAX_GRID, score_mod
-        from .variants import backward_variants, forward_variant, head_dim_tile, max_shared
+        from .variants import (backward_variants, deterministic_backward_variants, forward_variant, head_dim_tile,
+                               max_shared)
 
         reasons = length_reasons(p)
         family = family_for(p.capability)
@@ -81,6 +86,8 @@ class CudaBackend(Backend):
         tile = head_dim_tile(p.head_dim, p.head_dim_v, family, "bwd")
         if p.needs_grad and backward_variants(family, bf16, tile, mod, shared) is None:
             reasons.append(f"no backward tile for head dim {tile} fits {shared} bytes of shared memory")
+        elif p.deterministic and deterministic_backward_variants(family, bf16, tile, mod, shared) is None:
+            reasons.append(f"no deterministic backward tile for head dim {tile} fits {shared} bytes of shared memory")
         return reasons
 
     def rank(self, p) -> int:
@@ -118,6 +125,10 @@ class CudaBackend(Backend):
         return forward(p, x)
 
     def backward(self, p, x, out, lse, dout):
+        if p.deterministic:  # reached only once `deterministic` is True: declined until then
+            from .launch_deterministic import backward as deterministic_backward
+
+            return deterministic_backward(p, x, out, lse, dout)
         from .launch import backward
 
         return backward(p, x, out, lse, dout)

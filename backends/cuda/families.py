@@ -18,7 +18,7 @@ class Family(NamedTuple):
     name: str                          # the family's tile tables in variants.py are keyed by it
     min_capability: tuple[int, int]
     max_capability: tuple[int, int]    # inclusive
-    sources: Mapping[str, str]         # kernel kind ("fwd", "bwd") -> file under kernels/
+    sources: Mapping[str, str]         # kernel kind ("fwd", "bwd", "bwd_dq", ...) -> file under kernels/
     priority: int                      # among families covering a GPU, the highest runs
     tensor_maps: bool = False          # the forward reads q/k/v and writes out through TMA tensor maps
 
@@ -30,11 +30,14 @@ class Family(NamedTuple):
 
 
 AMPERE = Family(name="sm80", min_capability=(8, 0), max_capability=(8, 9),
-                sources={"fwd": "sm80/fa_fwd.cu", "bwd": "sm80/fa_bwd.cu"}, priority=0)
+                sources={"fwd": "sm80/fa_fwd.cu", "bwd": "sm80/fa_bwd.cu", "bwd_dq": "sm80/fa_bwd_dq.cu"},
+                priority=0)
 # Hopper: a warp-specialised wgmma/TMA forward; the backward is still the Ampere kernel (built for sm_90a).
 # "bwd_wgmma" is the Hopper backward, reached only through launch_sm90_bwd until a GPU has checked it.
+# "bwd_dq" (both families) is the deterministic backward's dQ pass (launch_deterministic, not yet run).
 HOPPER = Family(name="sm90", min_capability=(9, 0), max_capability=(9, 0),
-                sources={"fwd": "sm90/fa_fwd.cu", "bwd": "sm80/fa_bwd.cu", "bwd_wgmma": "sm90/fa_bwd.cu"},
+                sources={"fwd": "sm90/fa_fwd.cu", "bwd": "sm80/fa_bwd.cu", "bwd_wgmma": "sm90/fa_bwd.cu",
+                         "bwd_dq": "sm80/fa_bwd_dq.cu"},
                 priority=1, tensor_maps=True)
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (AMPERE, HOPPER)}

@@ -7,6 +7,9 @@ GPUs whose shared memory per block is ~99 KB (sm_86, sm_89). The Hopper forward 
 128 query rows per block on three warpgroups (a TMA producer, two wgmma consumers) with
 head-dim tiles that are whole 64-column swizzle panels. The Hopper backward (`bwd_wgmma`, not yet
 dispatched: `launch_sm90_bwd`) runs 128 keys per block on the same three warpgroup roles.
+The deterministic backward (`launch_deterministic`, not yet run on a GPU) is the Ampere backward
+built without its atomic dQ (`atomic_dq=False`) followed by a dQ pass (`bwd_dq`) that walks the
+key blocks of one query block and writes dQ once.
 `all_variants()` is what the CI compile test builds; the launcher only ever asks for members of
 that set.
 """
@@ -28,19 +31,21 @@ class Variant(NamedTuple):
     """One compile of one kernel file."""
 
     family: str        # a key of families.FAMILIES
-    kernel: str        # "fwd", "bwd" or "bwd_wgmma" (the Hopper backward)
+    kernel: str        # "fwd", "bwd", "bwd_dq" (the deterministic dQ pass) or "bwd_wgmma" (the Hopper backward)
     bf16: bool
     head_dim: int      # padded tile
-    block_m: int       # fwd: queries per block; bwd: queries per step
-    block_n: int       # fwd: keys per step;     bwd: keys per block
+    block_m: int       # fwd, bwd_dq: queries per block; bwd: queries per step
+    block_n: int       # fwd, bwd_dq: keys per step;     bwd: keys per block
     warps: int
     score_mod: bool    # softcap and/or ALiBi
     do_dv: bool = True
     do_dk: bool = True
-    stages: int = 1    # fwd: K/V buffers in shared memory
+    stages: int = 1    # fwd, bwd_dq: K/V buffers in shared memory
     overlap: bool = False   # Hopper fwd: Q K^T of block j issued before P V of block j-1 completes
     pingpong: bool = False  # Hopper fwd: the two consumer warpgroups take turns at the tensor cores
     dq_bulk: bool = False   # Hopper bwd: dQ parts added by a writer warp's bulk reductions, not red.global
+    atomic_dq: bool = True  # bwd: the dK pass adds dQ with fp32 atomics (False: the deterministic backward's
+                            # dK/dV kernel, whose dQ is the bwd_dq pass)
 
     @property
     def threads(self) -> int:
@@ -71,7 +76,7 @@ class Variant(NamedTuple):
             d["DQ_BULK"] = int(self.dq_bulk)
             d["SHARED_BYTES"] = self.shared_bytes()  # the kernel asserts its layout needs exactly this
         elif self.kernel == "bwd":
-            d.update(DO_DV=int(self.do_dv), DO_DK=int(self.do_dk))
+            d.update(DO_DV=int(self.do_dv), DO_DK=int(self.do_dk), DQ_ATOMIC=int(self.atomic_dq))
         else:
             d.update(KV_STAGES=self.stages)
         if self.hopper_forward:
@@ -96,15 +101,18 @@ class Variant(NamedTuple):
         ld = self.head_dim + 8
         if self.kernel == "fwd":
             return (self.block_m + 2 * self.stages * self.block_n) * ld * 2
-        return ((2 * self.block_n + 4 * self.block_m) * ld * 2 + self.block_n * (self.block_m + 8) * 2
-                + 4 * 4 * self.block_m)
+        if self.kernel == "bwd_dq":  # Q, dO; STAGES x (K, V)
+            return (2 * self.block_m + 2 * self.stages * self.block_n) * ld * 2
+        ds_staging = self.block_n * (self.block_m + 8) * 2 if self.atomic_dq else 0
+        return (2 * self.block_n + 4 * self.block_m) * ld * 2 + ds_staging + 4 * 4 * self.block_m
 
     def label(self) -> str:
         flags = ("bf16" if self.bf16 else "fp16") + ("+mod" if self.score_mod else "")
         if self.kernel == "bwd" and not (self.do_dv and self.do_dk):
             flags += "+dv" if self.do_dv else "+dk"
+        flags += "" if self.atomic_dq else " no-dq"
         flags += (" wgmma" + ("+dqbulk" if self.dq_bulk else "")) if self.hopper_backward else ""
-        stages = f" s{self.stages}" if self.kernel == "fwd" else ""
+        stages = f" s{self.stages}" if self.kernel in ("fwd", "bwd_dq") else ""
         stages += ("+overlap" if self.overlap else "") + ("+pingpong" if self.pingpong else "")
         tile = f"d{self.head_dim} {self.block_m}x{self.block_n} w{self.warps}{stages}"
         return f"{self.family} {self.kernel} {tile} {flags}"
@@ -149,7 +157,8 @@ FORWARD_TILES = {
 # softcap derivative beside S^T and dP^T and only fits 240 registers with 64 (dQ then split by keys).
 HOPPER_BACKWARD_TILES = {64: (128, 64), 128: (64, 64)}
 HOPPER_BACKWARD_KEYS = 128
-# head-dim tiles of each family's kernels (the dispatched backward of both is the Ampere kernel)
+# head-dim tiles of each family's kernels (the dispatched backward of both is the Ampere kernel; the
+# deterministic backward uses its tiles for dK/dV and for the dQ pass)
 TILE_SETS = {("sm80", "fwd"): HEAD_DIM_TILES, ("sm80", "bwd"): HEAD_DIM_TILES,
              ("sm90", "fwd"): PANEL_TILES, ("sm90", "bwd"): HEAD_DIM_TILES,
              ("sm90", "bwd_wgmma"): tuple(HOPPER_BACKWARD_TILES)}
@@ -162,6 +171,22 @@ BACKWARD_TILES = {
     160: ((32, 64, 4),),
     192: ((32, 64, 4), (16, 32, 2)),
     256: ((32, 64, 4), (16, 32, 2)),
+}
+
+
+# The deterministic dQ pass: (block_m = queries per block = 16 * warps, block_n = keys per step, warps,
+# K/V stages), best first; the first that fits the device's shared memory is used. 128 queries load
+# each K/V block once for 8 warps; head dims above 128 step over 32 keys so S, dP and a 16 x 256 dQ
+# accumulator fit the registers of one thread. The fallbacks are for ~99 KB GPUs (sm_86, sm_89).
+_D = ForwardTile
+DQ_TILES = {
+    32: (_D(128, 64, 8, 2), _D(64, 64, 4, 2)),
+    64: (_D(128, 64, 8, 2), _D(64, 64, 4, 2)),
+    96: (_D(128, 64, 8, 2), _D(64, 64, 4, 1)),
+    128: (_D(128, 64, 8, 2), _D(64, 64, 4, 1)),
+    160: (_D(128, 32, 8, 2), _D(64, 32, 4, 1)),
+    192: (_D(128, 32, 8, 2), _D(64, 32, 4, 1)),
+    256: (_D(128, 32, 8, 2), _D(64, 32, 4, 2), _D(64, 32, 4, 1)),
 }
 
 
@@ -198,6 +223,28 @@ def backward_variants(family: Family, bf16: bool, tile: int, score_mod: bool,
     return None
 
 
+def dq_variant(family: Family, bf16: bool, tile: int, score_mod: bool, max_shared: int) -> Variant | None:
+    """The deterministic dQ pass for a head-dim tile: the first of `DQ_TILES` that fits, or None."""
+    if "bwd_dq" not in family.sources:
+        return None
+    for t in DQ_TILES.get(tile, ()):
+        v = Variant(family.name, "bwd_dq", bf16, tile, t.block_m, t.block_n, t.warps, score_mod, stages=t.stages)
+        if v.shared_bytes() <= max_shared:
+            return v
+    return None
+
+
+def deterministic_backward_variants(family: Family, bf16: bool, tile: int, score_mod: bool,
+                                    max_shared: int) -> tuple[Variant, ...] | None:
+    """The launches of the deterministic backward: the Ampere backward's passes with the dK pass built
+    without its atomic dQ (the dV-only pass of large head dims has none to drop), then the dQ pass."""
+    passes = backward_variants(family, bf16, tile, score_mod, max_shared)
+    dq = dq_variant(family, bf16, tile, score_mod, max_shared)
+    if passes is None or dq is None:
+        return None
+    return tuple(v._replace(atomic_dq=False) if v.do_dk else v for v in passes) + (dq,)
+
+
 def hopper_backward_variant(family: Family, bf16: bool, tile: int, score_mod: bool,
                             max_shared: int) -> Variant | None:
     """The Hopper backward's specialisation for a head-dim tile, or None (no such tile, or it does not fit)."""
@@ -229,6 +276,7 @@ def requestable(family: Family, capability) -> list[Variant]:
                 found += [fwd] if fwd else []
             for tile in TILE_SETS[(family.name, "bwd")]:
                 found += list(backward_variants(family, bf16, tile, mod, shared) or ())
+                found += list(deterministic_backward_variants(family, bf16, tile, mod, shared) or ())
             for tile in TILE_SETS.get((family.name, "bwd_wgmma"), ()):
                 bwd = hopper_backward_variant(family, bf16, tile, mod, shared)
                 found += [bwd] if bwd else []

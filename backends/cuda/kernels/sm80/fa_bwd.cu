@@ -8,14 +8,16 @@
 //
 // Compile-time knobs (NVRTC -D): IS_BF16, HEAD_DIM, BLOCK_N (keys per block,
 // = 16 * NUM_WARPS), BLOCK_M (queries per step), NUM_WARPS, SCORE_MOD,
-// DO_DV, DO_DK (large head dims run two passes so each keeps one accumulator).
+// DO_DV, DO_DK (large head dims run two passes so each keeps one accumulator),
+// DQ_ATOMIC (1: the dK pass adds dQ as above; 0: dK/dV only, for the deterministic
+// backward, whose dQ is the separate pass sm80/fa_bwd_dq.cu).
 // Sinks need nothing here: lse includes them, and their gradient is a torch op.
 #include "common/mask.cuh"
 #include "common/score_mod.cuh"
 #include "sm80/ptx.cuh"
 #include "sm80/tiles.cuh"
 
-template <bool BF16, int HD, int BN, int BM, int NW, bool MOD, bool WITH_DV, bool WITH_DK>
+template <bool BF16, int HD, int BN, int BM, int NW, bool MOD, bool WITH_DV, bool WITH_DK, bool WITH_DQ>
 DEVI void attention_backward(const AttnParams& p) {
   constexpr int THREADS = NW * 32;
   constexpr int NTQ = BM / 8;  // n-tiles over the queries of one step
@@ -36,7 +38,7 @@ DEVI void attention_backward(const AttnParams& p) {
   u16* sQbuf = sV + BN * LD;          // 2 stages
   u16* sdObuf = sQbuf + 2 * BM * LD;  // 2 stages
   u16* sdS = sdObuf + 2 * BM * LD;
-  float* sLse = reinterpret_cast<float*>(sdS + BN * LDS);  // 2 stages
+  float* sLse = reinterpret_cast<float*>(sdS + (WITH_DQ ? BN * LDS : 0));  // 2 stages
   float* sDelta = sLse + 2 * BM;                            // 2 stages
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -222,12 +224,14 @@ DEVI void attention_backward(const AttnParams& p) {
         a[1] = pack2<BF16>(s[2 * kk][2], s[2 * kk][3]);
         a[2] = pack2<BF16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
         a[3] = pack2<BF16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-        const int r0 = warp_key0 + g;
-        const int c0 = kk * 16 + 2 * t4;
-        *reinterpret_cast<u32*>(sdS + r0 * LDS + c0) = a[0];
-        *reinterpret_cast<u32*>(sdS + (r0 + 8) * LDS + c0) = a[1];
-        *reinterpret_cast<u32*>(sdS + r0 * LDS + c0 + 8) = a[2];
-        *reinterpret_cast<u32*>(sdS + (r0 + 8) * LDS + c0 + 8) = a[3];
+        if constexpr (WITH_DQ) {
+          const int r0 = warp_key0 + g;
+          const int c0 = kk * 16 + 2 * t4;
+          *reinterpret_cast<u32*>(sdS + r0 * LDS + c0) = a[0];
+          *reinterpret_cast<u32*>(sdS + (r0 + 8) * LDS + c0) = a[1];
+          *reinterpret_cast<u32*>(sdS + r0 * LDS + c0 + 8) = a[2];
+          *reinterpret_cast<u32*>(sdS + (r0 + 8) * LDS + c0 + 8) = a[3];
+        }
 #pragma unroll
         for (int dp = 0; dp < DT / 2; ++dp) {
           u32 bf[4];
@@ -236,40 +240,42 @@ DEVI void attention_backward(const AttnParams& p) {
           mma16816<BF16>(dk_acc[2 * dp + 1], a, bf[2], bf[3]);
         }
       }
-      __syncthreads();  // dS^T of every warp is staged
+      __syncthreads();  // dS^T of every warp is staged; every warp is done with this stage
 
       // dQ[m0.., :] += dS K, split in (16 queries x DQC columns) tasks over the warps
-      float* dq = p.dq_accum + ((long long)b * p.heads_q + hq) * Sq * p.dq_row;
-      for (int task = warp; task < DQ_TASKS; task += NW) {
-        const int mt = task / (HD / DQC);
-        const int dc = task - mt * (HD / DQC);
-        float acc[DQC / 8][4];
+      if constexpr (WITH_DQ) {
+        float* dq = p.dq_accum + ((long long)b * p.heads_q + hq) * Sq * p.dq_row;
+        for (int task = warp; task < DQ_TASKS; task += NW) {
+          const int mt = task / (HD / DQC);
+          const int dc = task - mt * (HD / DQC);
+          float acc[DQC / 8][4];
 #pragma unroll
-        for (int j = 0; j < DQC / 8; ++j)
+          for (int j = 0; j < DQC / 8; ++j)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
+            for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-          u32 a[4];
-          // A = dS (queries x keys) read transposed from dS^T
-          ldsm_x4_t(a, (sdS_a + 2 * ((kk * 16 + bn_row) * LDS + mt * 16 + bn_col)));
+          for (int kk = 0; kk < BN / 16; ++kk) {
+            u32 a[4];
+            // A = dS (queries x keys) read transposed from dS^T
+            ldsm_x4_t(a, (sdS_a + 2 * ((kk * 16 + bn_row) * LDS + mt * 16 + bn_col)));
 #pragma unroll
-          for (int dp = 0; dp < DQC / 16; ++dp) {
-            u32 bf[4];
-            ldsm_x4_t(bf, (sK_a + 2 * ((kk * 16 + bt_row) * LD + dc * DQC + dp * 16 + bt_col)));
-            mma16816<BF16>(acc[2 * dp], a, bf[0], bf[1]);
-            mma16816<BF16>(acc[2 * dp + 1], a, bf[2], bf[3]);
+            for (int dp = 0; dp < DQC / 16; ++dp) {
+              u32 bf[4];
+              ldsm_x4_t(bf, (sK_a + 2 * ((kk * 16 + bt_row) * LD + dc * DQC + dp * 16 + bt_col)));
+              mma16816<BF16>(acc[2 * dp], a, bf[0], bf[1]);
+              mma16816<BF16>(acc[2 * dp + 1], a, bf[2], bf[3]);
+            }
           }
+#pragma unroll
+          for (int j = 0; j < DQC / 8; ++j)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const int row = m0 + mt * 16 + g + r * 8;
+              const int col = dc * DQC + j * 8 + 2 * t4;
+              if (row < Sq && col < p.head_dim) atomic_add2(dq + (long long)row * p.dq_row + col, acc[j][2 * r],
+                                                            acc[j][2 * r + 1]);
+            }
         }
-#pragma unroll
-        for (int j = 0; j < DQC / 8; ++j)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int row = m0 + mt * 16 + g + r * 8;
-            const int col = dc * DQC + j * 8 + 2 * t4;
-            if (row < Sq && col < p.head_dim) atomic_add2(dq + (long long)row * p.dq_row + col, acc[j][2 * r],
-                                                          acc[j][2 * r + 1]);
-          }
       }
     } else {
       __syncthreads();  // every warp is done with this stage before it is refilled
@@ -303,5 +309,5 @@ DEVI void attention_backward(const AttnParams& p) {
 
 extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32) attnx_bwd(const AttnParams p) {
   attention_backward<IS_BF16 != 0, HEAD_DIM, BLOCK_N, BLOCK_M, NUM_WARPS, SCORE_MOD != 0, DO_DV != 0,
-                     DO_DK != 0>(p);
+                     DO_DK != 0, DQ_ATOMIC != 0>(p);
 }
