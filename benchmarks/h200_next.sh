@@ -23,6 +23,8 @@ timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_determinist
 # 3. triton decode bandwidth (Llama-3-8B shape) beside SDPA
 timeout 60 python3 -m attnx.backends.triton.bench_decode --batch 8 --seqlen 32768 > "$out/logs/decode.log" 2>&1
 
+timeout 200 python3 -m benchmarks.cuda_deterministic check > "$out/logs/cuda_det_check.log" 2>&1 && timeout 90 python3 -m benchmarks.cuda_deterministic time > "$out/logs/cuda_det_time.log" 2>&1  # 4. cuda deterministic backward (issue 11): float64 + bitwise check, then vs the atomic backward
+
 tar -C "$out" -czf "$out/logs.tgz" logs
 {
     echo "hopper_backward check rc=$check_rc"; tail -25 "$out/logs/hopper_bwd_check.log"

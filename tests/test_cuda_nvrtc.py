@@ -168,6 +168,50 @@ def test_hopper_backward_is_not_dispatched_yet():
     assert dispatched and all(v.kernel == "bwd" and v.source == "sm80/fa_bwd.cu" for v in dispatched)
 
 
+@pytest.mark.parametrize("family", list(families.FAMILIES.values()), ids=lambda f: f.name)
+def test_deterministic_backward_has_launches_for_every_tile(family):
+    """Every backward tile on every GPU a family covers has a deterministic backward: the dK/dV pass(es)
+    without atomic dQ, then the dQ pass; all of them are in the set CI compiles."""
+    listed = set(variants.all_variants(family))
+    for cap in variants.covered_capabilities(family):
+        shared = variants.max_shared(cap)
+        for tile in variants.TILE_SETS[(family.name, "bwd")]:
+            for bf16, mod in ((False, False), (True, True)):
+                launches = variants.deterministic_backward_variants(family, bf16, tile, mod, shared)
+                assert launches, (cap, tile)
+                *dkdv, dq = launches
+                assert [v.kernel for v in dkdv] == ["bwd"] * len(dkdv) and dkdv[-1].do_dk
+                assert all("-DDQ_ATOMIC=0" in v.defines() for v in dkdv if v.do_dk)
+                assert dq.kernel == "bwd_dq" and dq.source == "sm80/fa_bwd_dq.cu" and dq.function == "attnx_bwd_dq"
+                assert dq.block_m == 16 * dq.warps and dq.head_dim == tile
+                assert all(v.shared_bytes() <= shared for v in launches) and set(launches) <= listed
+
+
+def test_atomic_backward_keeps_its_dq():
+    """The dispatched (non-deterministic) backward still adds dQ in its dK pass: DQ_ATOMIC=1."""
+    for family in families.FAMILIES.values():
+        for v in variants.all_variants(family):
+            if v.kernel == "bwd" and v.atomic_dq:
+                assert "-DDQ_ATOMIC=1" in v.defines()
+    v = variants.backward_variants(families.HOPPER, True, 128, False, variants.max_shared((9, 0)))[0]
+    assert v.atomic_dq and v.shared_bytes() > v._replace(atomic_dq=False).shared_bytes()  # dS^T staging
+
+
+def test_deterministic_dq_pass_compiles_without_spills():
+    """The dQ pass of the d64/d128 tiles (the ones timed) builds for sm_90a with no local memory."""
+    reason = _nvrtc_available()
+    if reason:
+        pytest.skip(reason)
+    from attnx.backends.cuda.compile import kernel_source
+
+    for tile in (64, 128):
+        v = variants.dq_variant(families.HOPPER, True, tile, False, variants.max_shared((9, 0)))
+        ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
+                                                   (*cuda_compile.nvrtc_options(v, "sm_90a"), "-Xptxas=-v"))
+        assert ok and size > 0, log[:2000]
+        assert " 0 bytes spill stores" in log and "bytes stack frame" in log, log
+
+
 def test_wgmma_header_is_generated_from_the_widths():
     import importlib.util
 
