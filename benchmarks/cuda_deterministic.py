@@ -233,12 +233,13 @@ def check(head_dims, grads_of, device, max_scores=None, only=None, quiet=False) 
 
 
 def self_test(head_dims, only) -> bool:
-    """The harness on the CPU: the formula passes; 5 % off and run-to-run noise each fail every case."""
+    """The harness on the CPU: the formula passes; 5 % off, and noise from run to run, each fail ("plain")."""
     scores = 300 * 1000
     passes = check(head_dims, _stand_in(), "cpu", scores, only)
     off = check(head_dims, _stand_in(error=0.05), "cpu", scores, only or "plain", quiet=True)
     noisy = check(head_dims, _stand_in(jitter=True), "cpu", scores, only or "plain", quiet=True)
-    print(f"self-test: formula {'passes' if passes else 'FAILS'}; 5 % off {'FAILS (good)' if not off else 'passes (bad)'}; "
+    print(f"self-test: formula {'passes' if passes else 'FAILS'}; "
+          f"5 % off {'FAILS (good)' if not off else 'passes (bad)'}; "
           f"run-to-run noise {'FAILS (good)' if not noisy else 'passes (bad)'}")
     return passes and not off and not noisy
 
@@ -256,9 +257,10 @@ def _context_alive() -> bool:
 TARGET = 0.15  # issue 11: the deterministic mode within 15 % of the non-deterministic one
 
 
-def time_all(seqlens, head_dims) -> None:
-    """Backward alone and forward + backward, atomic vs deterministic, one row as soon as it is measured;
-    the dQ pass and the dK/dV passes are also timed apart (where the time goes)."""
+def time_all(seqlens, head_dims, dq_tiles="") -> None:
+    """The backward alone and forward + backward, atomic vs deterministic, one row as soon as it is
+    measured; the dQ pass is also timed alone (where the extra time goes), for the table's dQ tile
+    and each of `dq_tiles` that fits."""
     import math
 
     import triton.testing
@@ -274,8 +276,8 @@ def time_all(seqlens, head_dims) -> None:
             print(f"  ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})", flush=True)
             return float("nan")
 
-    print(f"{'d':>4} {'S':>6} {'causal':>6} {'atomic bwd':>10} {'det bwd':>8} {'TFLOP/s':>15} {'det/atomic':>10} "
-          f"{'f+b det/atomic':>14} {'dQ pass':>8} {'verdict':>8}", flush=True)
+    print(f"{'d':>4} {'S':>6} {'causal':>6} {'dQ tile':>12} {'atomic bwd':>10} {'det bwd':>8} {'TFLOP/s':>15} "
+          f"{'det/atomic':>10} {'f+b det/atomic':>14} {'dQ pass':>8} {'verdict':>8}", flush=True)
     worst = 0.0
     for d in head_dims:
         for s in seqlens:
@@ -287,23 +289,38 @@ def time_all(seqlens, head_dims) -> None:
                 out, lse = launch.forward(p, xv)
                 fwd = bench(lambda: launch.forward(p, xv))
                 atomic = bench(lambda: launch.backward(p, xv, out, lse, dout))
-                det = bench(lambda: launch_deterministic.backward(p, xv, out, lse, dout))
-                dq_pass = _time_dq_pass(p, xv, out, lse, dout, bench)
-                flops = 4 * b * h * s * s * d / (2 if causal else 1) * 2.5  # backward = 2.5 x forward
-                ratio, both = det / atomic, (fwd + det) / (fwd + atomic)
-                worst = max(worst, ratio if not math.isnan(ratio) else 0.0)
-                verdict = "ok" if ratio <= 1 + TARGET else "SLOW"
-                print(f"{d:>4} {s:>6} {causal!s:>6} {atomic:8.3f}ms {det:6.3f}ms "
-                      f"{flops / atomic / 1e9:6.1f} / {flops / det / 1e9:6.1f} {ratio:10.3f} {both:14.3f} "
-                      f"{dq_pass:6.3f}ms {verdict:>8}", flush=True)
-    print(f"worst backward ratio deterministic / atomic: {worst:.3f} (target <= {1 + TARGET:.2f})")
+                table = launch_deterministic.launches_for(p)[-1]
+                for tile in [table] + [t for t in _dq_tiles(table, dq_tiles) if t != table]:
+                    det = bench(lambda: launch_deterministic.backward(p, xv, out, lse, dout, dq_pass=tile))
+                    # the dQ pass alone (with the launcher's own set-up: delta, lse, buffers)
+                    dq_only = bench(lambda: launch_deterministic.backward(p, xv, out, lse, dout, dq_pass=tile,
+                                                                          kinds=("bwd_dq",)))
+                    flops = 4 * b * h * s * s * d / (2 if causal else 1) * 2.5  # backward = 2.5 x forward
+                    ratio, both = det / atomic, (fwd + det) / (fwd + atomic)
+                    if tile == table:
+                        worst = max(worst, ratio if not math.isnan(ratio) else 0.0)
+                    verdict = "ok" if ratio <= 1 + TARGET else "SLOW"
+                    name = f"{tile.block_m}x{tile.block_n}w{tile.warps}s{tile.stages}" + ("" if tile == table else "*")
+                    print(f"{d:>4} {s:>6} {causal!s:>6} {name:>12} {atomic:8.3f}ms {det:6.3f}ms "
+                          f"{flops / atomic / 1e9:6.1f} / {flops / det / 1e9:6.1f} {ratio:10.3f} {both:14.3f} "
+                          f"{dq_only:6.3f}ms {verdict:>8}", flush=True)
+    print(f"worst backward ratio deterministic / atomic (table tiles): {worst:.3f} (target <= {1 + TARGET:.2f}); "
+          "* = a dQ tile that is not the table's")
 
 
-def _time_dq_pass(p, xv, out, lse, dout, bench) -> float:
-    """Milliseconds of the dQ pass alone (with the launcher's own set-up: delta, lse, buffers)."""
-    from attnx.backends.cuda import launch_deterministic
+def _dq_tiles(table, spec: str):
+    """Variants of the table's dQ pass with the tiles of `spec` ("BMxBNwWsS,..."), those that fit."""
+    from attnx.backends.cuda.variants import max_shared
 
-    return bench(lambda: launch_deterministic.backward(p, xv, out, lse, dout, kinds=("bwd_dq",)))
+    found = []
+    for item in filter(None, spec.split(",")):
+        bm, rest = item.split("x")
+        bn, rest = rest.split("w")
+        warps, stages = rest.split("s")
+        v = table._replace(block_m=int(bm), block_n=int(bn), warps=int(warps), stages=int(stages))
+        if v.block_m == 16 * v.warps and v.shared_bytes() <= max_shared(torch.cuda.get_device_capability()):
+            found.append(v)
+    return found
 
 
 def main(argv=None) -> int:
@@ -311,6 +328,8 @@ def main(argv=None) -> int:
     parser.add_argument("what", choices=("check", "time"))
     parser.add_argument("--head-dims", default="128,64", help="the sweep's head dims (other tiles have their cases)")
     parser.add_argument("--seqlens", default="1024,4096,16384", help="time: sequence lengths")
+    parser.add_argument("--dq-tiles", default="64x64w4s2",
+                        help="time: dQ-pass tiles to time beside the table's, BMxBNwWARPSsSTAGES, comma-separated")
     parser.add_argument("--max-scores", type=int, default=None,
                         help="check: only cases of at most this many Sq x Sk (e.g. under compute-sanitizer)")
     parser.add_argument("--only", default=None, help="check: only cases whose name contains this")
@@ -322,7 +341,7 @@ def main(argv=None) -> int:
         if args.self_test:
             return 0 if self_test(head_dims, args.only) else 1
         return 0 if check(head_dims, kernel_grads, "cuda", args.max_scores, args.only) else 1
-    time_all(tuple(int(s) for s in args.seqlens.split(",")), head_dims)
+    time_all(tuple(int(s) for s in args.seqlens.split(",")), head_dims, args.dq_tiles)
     return 0
 
 

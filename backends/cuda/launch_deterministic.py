@@ -37,18 +37,21 @@ def launches_for(p) -> tuple[Variant, ...] | None:
                                            max_shared(p.capability))
 
 
-def backward(p, x: Inputs, out, lse, dout, *, poison: bool = False, kinds=("bwd", "bwd_dq")) -> Grads:
+def backward(p, x: Inputs, out, lse, dout, *, poison: bool = False, kinds=("bwd", "bwd_dq"),
+             dq_pass: Variant | None = None) -> Grads:
     """dq, dk, dv (and dsinks) of one attention call, the same bits on every run.
 
     `out` and `lse` are the forward's (lse natural-log, including the sinks). `poison` fills dk, dv and
     the fp32 dq buffer with NaN before the launches, so an element a kernel fails to write shows up.
-    `kinds` launches only those kernel kinds (benchmarks time the dQ pass alone with ``("bwd_dq",)``).
+    `kinds` launches only those kernel kinds (benchmarks time the dQ pass alone with ``("bwd_dq",)``);
+    `dq_pass` overrides the dQ pass's tile (benchmarks compare tiles).
     """
     launches = launches_for(p)
     if launches is None:
         raise InvalidArgumentError(f"the deterministic cuda backward has no tile for head dims "
                                    f"{p.head_dim}/{p.head_dim_v} on {p.arch}")
-    *dkdv_passes, dq_pass = launches
+    *dkdv_passes, table_dq_pass = launches
+    dq_pass = dq_pass or table_dq_pass
     device_index = _device_index(x.q)
     d, dvw = round8(p.head_dim), round8(p.head_dim_v)
     delta = (dout.float() * out.float()).sum(-1).contiguous()  # rowsum(dout * out), (B, Hq, Sq)
