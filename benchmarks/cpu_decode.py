@@ -137,7 +137,8 @@ def main(argv=None) -> None:
             "page_size": args.page_size, "repeats": args.repeats}
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        report = json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n"
+        args.out.parent.joinpath(args.out.name + ".json").write_text(report)
         intro = ["# CPU decode: attnx cache / paged (blocked) against SDPA", "",
                  f"{meta['date']}, torch {meta['torch']}, {meta['cpus']} CPUs ({meta['torch_threads']} torch threads), "
                  f"1-minute load average {meta['load_average_1m_start_end'][0]:.1f} at the start and "
@@ -145,7 +146,7 @@ def main(argv=None) -> None:
                  f"{args.heads_q} query heads, {args.heads_kv} KV heads, d{args.head_dim}, page size "
                  f"{args.page_size}; medians of {args.repeats} interleaved repeats "
                  "(`python benchmarks/cpu_decode.py`; quartiles and output checks in the JSON).", ""]
-        args.out.with_suffix(".md").write_text("\n".join(intro + lines) + "\n")
+        args.out.parent.joinpath(args.out.name + ".md").write_text("\n".join(intro + lines) + "\n")
 
 
 if __name__ == "__main__":
