@@ -19,16 +19,13 @@ runs must fail (it checks the harness, not the kernel).
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
-import traceback
 
 import torch
 
-from attnx.reference import attention_reference
+from .backward_check import GRAD_NAMES, bench, case_grid, check, stand_in_grads
 
 LENGTHS = (1, 77, 128, 1000, 2100)
-MAX_REL_ERR = 3e-2
 # (name, batch, Hq, Hkv, Sq, Sk, D, Dv, options); D/Dv None: the head dim of the sweep
 FEATURES = [
     ("causal", 1, 4, 4, 1000, 1000, None, None, {"causal": True}),
@@ -71,59 +68,9 @@ HEAD_DIM_CASES = [
 
 def cases(head_dims=(128, 64)):
     """(name, b, hq, hkv, sq, sk, d, dv, opts): the simplest first, then length pairs, features, head dims."""
-    found = []
-    for d in head_dims:
-        found.append(("plain", 1, 2, 2, 128, 128, d, d, {}))
-        for sq, sk in itertools.product(LENGTHS, LENGTHS):
-            found.append(("lengths causal" if (sq + sk) % 2 else "lengths", 1, 2, 2, sq, sk, d, d,
-                          {"causal": True} if (sq + sk) % 2 else {}))
-    for d in head_dims:
-        for name, b, hq, hkv, sq, sk, fd, fdv, opts in FEATURES:
-            found.append((name, b, hq, hkv, sq, sk, fd or d, fdv or fd or d, opts))
-    return found + HEAD_DIM_CASES
-
-
-def _inputs(case, device, gen):
-    """q, k, v, dout in the case's layout, and attention kwargs: fresh random draws for every case."""
-    _, b, hq, hkv, sq, sk, d, dv, opts = case
-    opts = dict(opts)
-    dtype = opts.pop("dtype", torch.bfloat16)
-    layout = opts.get("layout", "bhsd")
-
-    def make(h, s, width):
-        shape = (b, s, h, width) if layout == "bshd" else (b, h, s, width)
-        return torch.randn(shape, device=device, generator=gen).to(dtype)
-
-    q, k, v, dout = make(hq, sq, d), make(hkv, sk, d), make(hkv, sk, dv), make(hq, sq, dv)
-    if opts.pop("alibi", False):
-        opts["alibi_slopes"] = torch.rand(hq, device=device, generator=gen) * 0.5 + 0.01
-    if opts.pop("sinks", False):
-        opts["sinks"] = torch.randn(hq, device=device, generator=gen) * 2
-    return q, k, v, dout, opts
-
-
-def _formula_grads(p, q, k, v, sinks, slopes, dout, compute_dtype):
-    """dq, dk, dv, dsinks (None without sinks) of the formula on bhsd inputs, by torch autograd."""
-    high = compute_dtype == torch.float64
-    leaves = [None if t is None else (t.double() if high else t).detach().requires_grad_() for t in (q, k, v, sinks)]
-    if slopes is not None:
-        slopes = slopes.double() if high else slopes.float()
-    out, _ = attention_reference(*leaves[:3], scale=p.scale, softcap=p.softcap, alibi_slopes=slopes,
-                                 window_left=p.window_left, window_right=p.window_right, offset=p.offset,
-                                 sinks=leaves[3], compute_dtype=compute_dtype)
-    wanted = [t for t in leaves if t is not None]
-    found = iter(torch.autograd.grad(out, wanted, dout.to(out.dtype), allow_unused=True))
-    grads = [next(found) if t is not None else None for t in leaves]
-    return [torch.zeros_like(t) if g is None and t is not None else g for g, t in zip(grads, leaves)]
-
-
-def _max_err(got, ref) -> float:
-    return (got.double() - ref.double()).abs().max().item() if got.numel() else 0.0
-
-
-def _rel_err(got, ref) -> float:
-    diff = (got.double() - ref.double()).norm().item()
-    return diff / max(ref.double().norm().item(), 1e-30) if diff else 0.0
+    def length_cases(sq, sk):  # causal or not, by turns
+        return [("lengths causal", {"causal": True}) if (sq + sk) % 2 else ("lengths", {})]
+    return case_grid(head_dims, LENGTHS, FEATURES, length_cases) + HEAD_DIM_CASES
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -133,8 +80,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def same_bits(first, second) -> list[str]:
     """Names of the gradients whose bits differ between two runs (None matches None)."""
-    names = ("dq", "dk", "dv", "dsinks")
-    return [n for n, a, b in zip(names, first, second)
+    return [n for n, a, b in zip(GRAD_NAMES, first, second)
             if (a is None) != (b is None) or (a is not None and not torch.equal(_bits(a), _bits(b)))]
 
 
@@ -151,9 +97,7 @@ def kernel_grads(p, xv, dout_v):
 def _stand_in(error=0.0, jitter=False):
     """--self-test: the float32 formula, optionally `error` off (relative) or with last-bit noise per run."""
     def grads(p, xv, dout_v):
-        slopes = xv.alibi_slopes[0] if xv.alibi_slopes is not None else None
-        found = _formula_grads(p, xv.q, xv.k, xv.v, xv.sinks, slopes, dout_v, torch.float32)
-        found = [g.to(xv.q.dtype) if i < 3 else g for i, g in enumerate(found)]
+        found = stand_in_grads(p, xv, dout_v)
         if error:
             found[0] = found[0] * (1 + error)
         if jitter:  # what atomics do: a different rounding now and then
@@ -162,95 +106,29 @@ def _stand_in(error=0.0, jitter=False):
     return grads
 
 
-def check_one(case, device, gen, grads_of) -> tuple[bool, str]:
-    from attnx.autograd import backend_view
-    from attnx.problem import make_call
-
-    q, k, v, dout, opts = _inputs(case, device, gen)
-    layout = opts.get("layout", "bhsd")
-    p, x = make_call(q, k, v, grad_inputs=(), **opts)
-    xv = backend_view(p, x)
-    dout_v = dout.transpose(1, 2) if layout == "bshd" else dout
-    got = grads_of(p, xv, dout_v)
-    again = grads_of(p, xv, dout_v)
-    slopes, sinks = opts.get("alibi_slopes"), opts.get("sinks")
-    ref = _formula_grads(p, xv.q, xv.k, xv.v, sinks, slopes, dout_v, torch.float64)
-    lows = [_formula_grads(p, xv.q, xv.k, xv.v, sinks, slopes, dout_v, cd) for cd in (xv.q.dtype, torch.float32)]
-    good, parts = True, []
-    for i, name in enumerate(("dq", "dk", "dv", "dsinks")):
-        if ref[i] is None:
-            continue
-        if got[i] is None or tuple(got[i].shape) != tuple(ref[i].shape):
-            good = False
-            parts.append(f"{name} shape {None if got[i] is None else tuple(got[i].shape)} != {tuple(ref[i].shape)}")
-            continue
-        finite = bool(torch.isfinite(got[i]).all())
-        bound = 2 * max(_max_err(lo[i], ref[i]) for lo in lows) + 1e-3
-        err = _max_err(got[i], ref[i]) if finite else float("nan")
-        rel = _rel_err(got[i], ref[i]) if finite else float("nan")
-        ok = finite and err <= bound and rel <= MAX_REL_ERR
-        good &= ok
-        parts.append(f"{name} {err:.1e}/{bound:.1e} rel {rel:.0e}{'' if ok else ' !'}")
-    differ = same_bits(got, again)
-    good &= not differ
-    parts.append("bits " + ("same" if not differ else "DIFFER: " + ",".join(differ)))
-    return good, "  ".join(parts)
+def _same_bits_again(grads_of):
+    """`check`'s extra check: a second run on the same inputs gives the same bits."""
+    def extra(p, xv, dout_v, got):
+        differ = same_bits(got, grads_of(p, xv, dout_v))
+        return not differ, "bits " + ("same" if not differ else "DIFFER: " + ",".join(differ))
+    return extra
 
 
-def check(head_dims, grads_of, device, max_scores=None, only=None, quiet=False) -> bool:
-    """Every case of `cases` (of at most `max_scores` Sq x Sk, whose name contains `only`); False on any failure."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    failed = []
-    todo = [c for c in cases(head_dims) if (max_scores is None or c[4] * c[5] <= max_scores)
-            and (only is None or only in c[0])]
-    say = (lambda *a, **k: None) if quiet else print
-    say(f"{'':4} {'#':>3} {'case':<20} {'B':>2} {'Hq':>3} {'Hkv':>3} {'Sq':>5} {'Sk':>5} {'D':>4} {'Dv':>4} "
-        f"{'options':<44} max err / bound")
-    for n, case in enumerate(todo):
-        name, b, hq, hkv, sq, sk, d, dv, opts = case
-        shown = {k: (v if not isinstance(v, torch.dtype) else str(v).replace("torch.", "")) for k, v in opts.items()}
-        head = f"{n:>3} {name:<20} {b:>2} {hq:>3} {hkv:>3} {sq:>5} {sk:>5} {d:>4} {dv:>4} {str(shown):<44}"
-        try:
-            good, text = check_one(case, device, gen, grads_of)
-        except Exception as err:  # a launch that fails: report it; a lost context ends the run
-            good, text = False, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-            traceback.print_exc()
-            if device == "cuda" and not _context_alive():
-                print(f"BAD  {head} {text}\nCUDA context lost in case {n}: the remaining "
-                      f"{len(todo) - n - 1} cases are not run", flush=True)
-                for line in failed:
-                    print(line)
-                return False
-        line = f"{'ok ' if good else 'BAD'}  {head} {text}"
-        say(line, flush=True)  # a hang leaves case n + 1 as the culprit
-        if not good:
-            failed.append(line)
-    # the summary last: a device call returns only the tail of the output
-    say(f"{len(todo) - len(failed)} of {len(todo)} cases passed" + (", failures:" if failed else ""))
-    for line in failed:
-        say(line)
-    return not failed
+def _check(head_dims, grads_of, device, max_scores=None, only=None, quiet=False) -> bool:
+    """`backward_check.check` over `cases`, each case run twice and compared bit for bit."""
+    return check(cases(head_dims), grads_of, device, max_scores, only, quiet, extra=_same_bits_again(grads_of))
 
 
 def self_test(head_dims, only) -> bool:
     """The harness on the CPU: the formula passes; 5 % off, and noise from run to run, each fail ("plain")."""
     scores = 300 * 1000
-    passes = check(head_dims, _stand_in(), "cpu", scores, only)
-    off = check(head_dims, _stand_in(error=0.05), "cpu", scores, only or "plain", quiet=True)
-    noisy = check(head_dims, _stand_in(jitter=True), "cpu", scores, only or "plain", quiet=True)
+    passes = _check(head_dims, _stand_in(), "cpu", scores, only)
+    off = _check(head_dims, _stand_in(error=0.05), "cpu", scores, only or "plain", quiet=True)
+    noisy = _check(head_dims, _stand_in(jitter=True), "cpu", scores, only or "plain", quiet=True)
     print(f"self-test: formula {'passes' if passes else 'FAILS'}; "
           f"5 % off {'FAILS (good)' if not off else 'passes (bad)'}; "
           f"run-to-run noise {'FAILS (good)' if not noisy else 'passes (bad)'}")
     return passes and not off and not noisy
-
-
-def _context_alive() -> bool:
-    try:
-        torch.ones(1, device="cuda").add_(1).item()
-        torch.cuda.synchronize()
-        return True
-    except Exception:
-        return False
 
 
 # ---- time -------------------------------------------------------------------------------------
@@ -263,18 +141,9 @@ def time_all(seqlens, head_dims, dq_tiles="") -> None:
     and each of `dq_tiles` that fits."""
     import math
 
-    import triton.testing
-
     from attnx.autograd import backend_view
     from attnx.backends.cuda import launch, launch_deterministic
     from attnx.problem import make_call
-
-    def bench(fn):
-        try:
-            return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
-        except Exception as err:  # one kernel that cannot run this shape must not end the table
-            print(f"  ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})", flush=True)
-            return float("nan")
 
     print(f"{'d':>4} {'S':>6} {'causal':>6} {'dQ tile':>12} {'atomic bwd':>10} {'det bwd':>8} {'TFLOP/s':>15} "
           f"{'det/atomic':>10} {'f+b det/atomic':>14} {'dQ pass':>8} {'verdict':>8}", flush=True)
@@ -340,7 +209,7 @@ def main(argv=None) -> int:
     if args.what == "check":
         if args.self_test:
             return 0 if self_test(head_dims, args.only) else 1
-        return 0 if check(head_dims, kernel_grads, "cuda", args.max_scores, args.only) else 1
+        return 0 if _check(head_dims, kernel_grads, "cuda", args.max_scores, args.only) else 1
     time_all(tuple(int(s) for s in args.seqlens.split(",")), head_dims, args.dq_tiles)
     return 0
 
