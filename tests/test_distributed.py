@@ -193,17 +193,7 @@ def _compare(case: dict, rank: int, world: int, dist) -> None:
                 out.backward(shard(dout, rank, world, sharding=sharding, dim=dim))
         return part, my_sinks, out, lse
 
-    repeats = None
-    if "deterministic" in case:
-        noisy = _noisy_backend()
-        with attnx.registered(noisy):
-            part, my_sinks, out, lse = run(case["deterministic"])
-            again = run(case["deterministic"])
-            avoided = "backward" not in noisy.calls
-            control = run(None)  # the dispatcher's first choice again: the noisy backward
-        repeats = (again, control, avoided, "backward" in noisy.calls)
-    else:
-        part, my_sinks, out, lse = run(None)
+    (part, my_sinks, out, lse), repeats = _runs(case, run)
 
     # every collective first, so a failed comparison on one rank leaves no other rank waiting
     total_dsinks = None
@@ -227,6 +217,21 @@ def _compare(case: dict, rank: int, world: int, dist) -> None:
     torch.testing.assert_close(gathered_q, q, msg="gather(shard(q)) == q")
     if repeats is not None:
         _check_repeats(part + [my_sinks], out, *repeats)
+
+
+def _runs(case: dict, run):
+    """``(run(...)'s result, repeats)``: one run; with "deterministic" in the case, that run and a
+    second one on the noisy backend first in line, then one without deterministic (the control).
+    `repeats` is None, or ``(again, control, avoided, noisy_ran)`` for `_check_repeats`."""
+    if "deterministic" not in case:
+        return run(None), None
+    noisy = _noisy_backend()
+    with attnx.registered(noisy):
+        first = run(case["deterministic"])
+        again = run(case["deterministic"])
+        avoided = "backward" not in noisy.calls
+        control = run(None)  # the dispatcher's first choice again: the noisy backward
+    return first, (again, control, avoided, "backward" in noisy.calls)
 
 
 def _check_repeats(leaves, out, again, control, avoided: bool, noisy_ran: bool) -> None:

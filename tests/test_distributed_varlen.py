@@ -19,7 +19,7 @@ from attnx.distributed.varlen_calls import VarlenSpec, plan_block
 from attnx.distributed.varlen_sharding import VarlenLayout
 
 from distributed_harness import run_cases, run_ranks
-from test_distributed import _check_repeats, _noisy_backend
+from test_distributed import _check_repeats, _runs
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 SPAWN_TIMEOUT_S = 100
@@ -137,18 +137,8 @@ def _compare(case: dict, rank: int, world: int, dist) -> None:
                 out.backward(mine(dout))
         return part, my_sinks, out, lse
 
-    repeats = None
     try:
-        if "deterministic" in case:
-            noisy = _noisy_backend()
-            with attnx.registered(noisy):
-                part, my_sinks, out, lse = run(case["deterministic"])
-                again = run(case["deterministic"])
-                avoided = "backward" not in noisy.calls
-                control = run(None)  # the dispatcher's first choice again: the noisy backward
-            repeats = (again, control, avoided, "backward" in noisy.calls)
-        else:
-            part, my_sinks, out, lse = run(None)
+        (part, my_sinks, out, lse), repeats = _runs(case, run)
     finally:
         varlen_block.BlockBackward.add = original
         exchange.Ring.shift = original_shift
