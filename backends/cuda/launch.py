@@ -10,6 +10,7 @@ or write out of bounds.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -130,6 +131,50 @@ def forward(p, x: Inputs):
     return out, lse
 
 
+class BackwardOperands(NamedTuple):
+    """What every backward launcher (here, launch_deterministic, launch_sm90_bwd) starts from."""
+    x: Inputs  # the call's inputs, the ALiBi slopes as a unit-stride vector
+    delta: torch.Tensor  # rowsum(dout * out), float32 (B, Hq, Sq)
+    lse2: torch.Tensor  # the forward's lse in log2
+    q: torch.Tensor  # q, k, v, dout as kernel operands (head dims rounded up to 8)
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+    dk: torch.Tensor  # dK and dV for the kernels to write (uninitialised), head dims rounded up to 8
+    dv: torch.Tensor
+
+
+def backward_operands(p, x: Inputs, out, lse, dout) -> BackwardOperands:
+    """delta, lse in log2, the kernel operands and dk/dv of one backward call (see `BackwardOperands`)."""
+    d, dvw = round8(p.head_dim), round8(p.head_dim_v)
+    delta = (dout.float() * out.float()).sum(-1).contiguous()  # rowsum(dout * out), (B, Hq, Sq)
+    lse2 = lse_log2(lse)
+    q, k, v, dout_k = kernel_operand(x.q, d), kernel_operand(x.k, d), kernel_operand(x.v, dvw), \
+        kernel_operand(dout, dvw)
+    x = x.replace(alibi_slopes=_vector(x.alibi_slopes))
+    dk = q.new_empty(p.batch, p.heads_kv, p.seqlen_k, d)
+    dv = q.new_empty(p.batch, p.heads_kv, p.seqlen_k, dvw)
+    return BackwardOperands(x, delta, lse2, q, k, v, dout_k, dk, dv)
+
+
+def backward_fields(b: BackwardOperands, dq_accum) -> dict:
+    """The pointers and strides of the Ampere-class backward kernels' parameters (sm80/fa_bwd.cu, fa_bwd_dq.cu)."""
+    (qb, qh, qr), (kb, kh, kr), (vb, vh, vr), (ob, oh, orow) = map(_strides, (b.q, b.k, b.v, b.dout))
+    (dkb, dkh, dkr), (dvb, dvh, dvr) = _strides(b.dk), _strides(b.dv)
+    return dict(q=b.q.data_ptr(), k=b.k.data_ptr(), v=b.v.data_ptr(), dout=b.dout.data_ptr(),
+                lse=b.lse2.data_ptr(), delta=b.delta.data_ptr(), dq_accum=dq_accum.data_ptr(),
+                dk=b.dk.data_ptr(), dv=b.dv.data_ptr(),
+                q_bs=qb, q_hs=qh, q_rs=qr, k_bs=kb, k_hs=kh, k_rs=kr, v_bs=vb, v_hs=vh, v_rs=vr,
+                o_bs=ob, o_hs=oh, o_rs=orow, dk_bs=dkb, dk_hs=dkh, dk_rs=dkr, dv_bs=dvb, dv_hs=dvh, dv_rs=dvr)
+
+
+def backward_grads(p, b: BackwardOperands, lse, dq_accum) -> Grads:
+    """dq (the fp32 accumulator scaled, in the call's dtype), dk, dv cut to the head dims, dsinks from lse and delta."""
+    dq = (dq_accum[..., : p.head_dim] * p.scale).to(p.dtype)
+    dsinks = sinks_grad(b.x.sinks, lse, b.delta) if b.x.sinks is not None else None
+    return Grads(dq, b.dk[..., : p.head_dim], b.dv[..., : p.head_dim_v], None, dsinks)
+
+
 def backward(p, x: Inputs, out, lse, dout) -> Grads:
     """FlashAttention-2 backward, dQ through fp32 atomics; dsinks from lse and delta."""
     device_index = _device_index(x.q)
@@ -137,29 +182,15 @@ def backward(p, x: Inputs, out, lse, dout) -> Grads:
     d, dvw = round8(p.head_dim), round8(p.head_dim_v)
     passes = backward_variants(family, p.dtype == torch.bfloat16, head_dim_tile(d, dvw, family, "bwd"), score_mod(p),
                                max_shared(p.capability))
-    delta = (dout.float() * out.float()).sum(-1).contiguous()  # rowsum(dout * out), (B, Hq, Sq)
-    lse2 = lse_log2(lse)
-    q, k, v, dout_k = kernel_operand(x.q, d), kernel_operand(x.k, d), kernel_operand(x.v, dvw), \
-        kernel_operand(dout, dvw)
-    x = x.replace(alibi_slopes=_vector(x.alibi_slopes))
-    dq_accum = torch.zeros(p.batch, p.heads_q, p.seqlen_q, d, device=q.device, dtype=torch.float32)
-    dk = q.new_empty(p.batch, p.heads_kv, p.seqlen_k, d)
-    dv = q.new_empty(p.batch, p.heads_kv, p.seqlen_k, dvw)
+    b = backward_operands(p, x, out, lse, dout)
+    dq_accum = torch.zeros(p.batch, p.heads_q, p.seqlen_q, d, device=b.q.device, dtype=torch.float32)
     blocks_per_head = math.ceil(p.seqlen_k / passes[0].block_n)
     grid = p.batch * p.heads_kv * blocks_per_head
     _check_grid(grid)
-    (qb, qh, qr), (kb, kh, kr), (vb, vh, vr), (ob, oh, orow) = map(_strides, (q, k, v, dout_k))
-    (dkb, dkh, dkr), (dvb, dvh, dvr) = _strides(dk), _strides(dv)
-    args = pack_params(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout_k.data_ptr(),
-                       lse=lse2.data_ptr(), delta=delta.data_ptr(), dq_accum=dq_accum.data_ptr(),
-                       dk=dk.data_ptr(), dv=dv.data_ptr(),
-                       q_bs=qb, q_hs=qh, q_rs=qr, k_bs=kb, k_hs=kh, k_rs=kr, v_bs=vb, v_hs=vh, v_rs=vr,
-                       o_bs=ob, o_hs=oh, o_rs=orow, dk_bs=dkb, dk_hs=dkh, dk_rs=dkr, dv_bs=dvb, dv_hs=dvh,
-                       dv_rs=dvr, num_blocks=blocks_per_head, dq_row=d, **_common(p, x.replace(sinks=None)))
+    args = pack_params(**backward_fields(b, dq_accum), num_blocks=blocks_per_head, dq_row=d,
+                       **_common(p, b.x.replace(sinks=None)))
     arch = nvrtc_arch(p.capability)
     for variant in passes:
         kernel = get_kernel(variant, arch, device_index)
         _launch(kernel, grid, variant.threads, variant.shared_bytes(), (args,), device_index)
-    dq = (dq_accum[..., : p.head_dim] * p.scale).to(p.dtype)
-    dsinks = sinks_grad(x.sinks, lse, delta) if x.sinks is not None else None
-    return Grads(dq, dk[..., : p.head_dim], dv[..., : p.head_dim_v], None, dsinks)
+    return backward_grads(p, b, lse, dq_accum)

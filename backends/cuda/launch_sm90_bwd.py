@@ -15,12 +15,12 @@ import math
 import torch
 
 from attnx.errors import InvalidArgumentError
-from attnx.inputs import Grads, Inputs, sinks_grad
-from attnx.limits import lse_log2
+from attnx.inputs import Grads, Inputs
 
 from .compile import get_kernel
 from .families import family_for, nvrtc_arch
-from .launch import _check_grid, _common, _device_index, _launch, _vector, kernel_operand, round8, score_mod
+from .launch import (_check_grid, _common, _device_index, _launch, backward_grads, backward_operands, round8,
+                     score_mod)
 from .params import pack_params
 from .tensor_maps import tensor_map
 from .variants import Variant, head_dim_tile, hopper_backward_variant, max_shared
@@ -51,29 +51,20 @@ def backward(p, x: Inputs, out, lse, dout, variant: Variant | None = None, *, po
         raise InvalidArgumentError(f"the Hopper backward has no tile for head dims {p.head_dim}/{p.head_dim_v} "
                                    f"on {p.arch} (it runs on sm_90 only, head dims up to 128)")
     device_index = _device_index(x.q)
-    d, dvw = round8(p.head_dim), round8(p.head_dim_v)
-    delta = (dout.float() * out.float()).sum(-1).contiguous()  # rowsum(dout * out), (B, Hq, Sq)
-    lse2 = lse_log2(lse)
-    q, k, v, dout_k = kernel_operand(x.q, d), kernel_operand(x.k, d), kernel_operand(x.v, dvw), \
-        kernel_operand(dout, dvw)
-    x = x.replace(alibi_slopes=_vector(x.alibi_slopes))
+    b = backward_operands(p, x, out, lse, dout)
     # dq_accum rows are whole head-dim tiles: the kernel adds every column of its tile
-    dq_accum = torch.zeros(p.batch, p.heads_q, p.seqlen_q, variant.head_dim, device=q.device, dtype=torch.float32)
-    dk = q.new_empty(p.batch, p.heads_kv, p.seqlen_k, d)
-    dv = q.new_empty(p.batch, p.heads_kv, p.seqlen_k, dvw)
+    dq_accum = torch.zeros(p.batch, p.heads_q, p.seqlen_q, variant.head_dim, device=b.q.device, dtype=torch.float32)
     if poison:
-        dk.fill_(float("nan"))
-        dv.fill_(float("nan"))
+        b.dk.fill_(float("nan"))
+        b.dv.fill_(float("nan"))
     blocks_per_head = math.ceil(p.seqlen_k / variant.block_n)
     grid = p.batch * p.heads_kv * blocks_per_head
     _check_grid(grid)
-    args = pack_params(lse=lse2.data_ptr(), delta=delta.data_ptr(), dq_accum=dq_accum.data_ptr(),
-                       num_blocks=blocks_per_head, dq_row=variant.head_dim, **_common(p, x.replace(sinks=None)))
-    maps = (tensor_map(q, variant.block_m), tensor_map(k, variant.block_n), tensor_map(v, variant.block_n),
-            tensor_map(dout_k, variant.block_m), tensor_map(dk, STORE_ROWS), tensor_map(dv, STORE_ROWS))
+    args = pack_params(lse=b.lse2.data_ptr(), delta=b.delta.data_ptr(), dq_accum=dq_accum.data_ptr(),
+                       num_blocks=blocks_per_head, dq_row=variant.head_dim, **_common(p, b.x.replace(sinks=None)))
+    maps = (tensor_map(b.q, variant.block_m), tensor_map(b.k, variant.block_n), tensor_map(b.v, variant.block_n),
+            tensor_map(b.dout, variant.block_m), tensor_map(b.dk, STORE_ROWS), tensor_map(b.dv, STORE_ROWS))
     if grid > 0:
         kernel = get_kernel(variant, nvrtc_arch(p.capability), device_index)
         _launch(kernel, grid, variant.threads, variant.shared_bytes(), (args, *maps), device_index)
-    dq = (dq_accum[..., : p.head_dim] * p.scale).to(p.dtype)
-    dsinks = sinks_grad(x.sinks, lse, delta) if x.sinks is not None else None
-    return Grads(dq, dk[..., : p.head_dim], dv[..., : p.head_dim_v], None, dsinks)
+    return backward_grads(p, b, lse, dq_accum)
