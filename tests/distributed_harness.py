@@ -81,3 +81,23 @@ def run_ranks(worker, world: int, outdir: str, timeout_s: float, what: str) -> d
             for name, result in json.load(f).items():
                 merged.setdefault(name, {})[rank] = result
     return merged
+
+
+def results_once(cache: dict, worker, world: int, tmp_path_factory, timeout_s: float, what: str, folder: str) -> dict:
+    """`run_ranks`'s results for `world`, spawned once per session and kept in `cache` (world -> results);
+    a spawn that failed fails every later test of that size instead of spawning again."""
+    import pytest
+
+    if world in cache and cache[world] is None:
+        pytest.fail(f"the {what} workers of world size {world} failed (see the first test of that size)")
+    if world not in cache:
+        cache[world] = None  # a spawn that fails is not repeated by every test
+        outdir = str(tmp_path_factory.mktemp(f"{folder}{world}"))
+        cache[world] = run_ranks(worker, world, outdir, timeout_s, what)
+    return cache[world]
+
+
+def assert_every_rank_ok(per_rank: dict) -> None:
+    """One case's ``{rank: result}``: no rank failed (the failures' tracebacks, by rank, otherwise)."""
+    failures = {r: res["error"] for r, res in per_rank.items() if not res["ok"]}
+    assert not failures, "\n".join(f"rank {r}:\n{e}" for r, e in failures.items())

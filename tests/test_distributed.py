@@ -20,7 +20,7 @@ import attnx
 from attnx.distributed import (ALLGATHER_MAX_BYTES, choose_exchange, gather, ring_attention, shard,
                                shard_positions, unshard)
 
-from distributed_harness import run_cases, run_ranks
+from distributed_harness import assert_every_rank_ok, results_once, run_cases
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 SPAWN_TIMEOUT_S = 100
@@ -306,22 +306,11 @@ def _worker(rank: int, world: int, outdir: str) -> None:
 _RESULTS: dict = {}
 
 
-def _results(world: int, tmp_path_factory) -> dict:
-    if world in _RESULTS and _RESULTS[world] is None:
-        pytest.fail(f"the ring workers of world size {world} failed (see the first test of that size)")
-    if world not in _RESULTS:
-        _RESULTS[world] = None  # a spawn that fails is not repeated by every test
-        outdir = str(tmp_path_factory.mktemp(f"ring{world}"))
-        _RESULTS[world] = run_ranks(_worker, world, outdir, SPAWN_TIMEOUT_S, "ring")
-    return _RESULTS[world]
-
-
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("case", list(CASES) + ["errors"])
 def test_ring_matches_single_process(world, case, tmp_path_factory):
-    per_rank = _results(world, tmp_path_factory)[case]
-    failures = {r: res["error"] for r, res in per_rank.items() if not res["ok"]}
-    assert not failures, "\n".join(f"rank {r}:\n{e}" for r, e in failures.items())
+    per_rank = results_once(_RESULTS, _worker, world, tmp_path_factory, SPAWN_TIMEOUT_S, "ring", "ring")
+    assert_every_rank_ok(per_rank[case])
 
 
 # -- in one process: helpers, the size rule, errors raised before any communication ----------------

@@ -18,7 +18,7 @@ from attnx.distributed import (gather_varlen, ring_attention, shard_positions_va
 from attnx.distributed.varlen_calls import VarlenSpec, plan_block
 from attnx.distributed.varlen_sharding import VarlenLayout
 
-from distributed_harness import run_cases, run_ranks
+from distributed_harness import assert_every_rank_ok, results_once, run_cases
 from test_distributed import _check_repeats, _runs
 
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -244,22 +244,11 @@ def _worker(rank: int, world: int, outdir: str) -> None:
 _RESULTS: dict = {}
 
 
-def _results(world: int, tmp_path_factory) -> dict:
-    if world in _RESULTS and _RESULTS[world] is None:
-        pytest.fail(f"the varlen ring workers of world size {world} failed (see the first test of that size)")
-    if world not in _RESULTS:
-        _RESULTS[world] = None  # a spawn that fails is not repeated by every test
-        outdir = str(tmp_path_factory.mktemp(f"ringv{world}"))
-        _RESULTS[world] = run_ranks(_worker, world, outdir, SPAWN_TIMEOUT_S, "varlen ring")
-    return _RESULTS[world]
-
-
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("case", list(CASES) + ["errors"])
 def test_varlen_ring_matches_single_process(world, case, tmp_path_factory):
-    per_rank = _results(world, tmp_path_factory)[case]
-    failures = {r: res["error"] for r, res in per_rank.items() if not res["ok"]}
-    assert not failures, "\n".join(f"rank {r}:\n{e}" for r, e in failures.items())
+    per_rank = results_once(_RESULTS, _worker, world, tmp_path_factory, SPAWN_TIMEOUT_S, "varlen ring", "ringv")
+    assert_every_rank_ok(per_rank[case])
 
 
 # -- in one process: the helpers and the grouping of local calls -----------------------------------
