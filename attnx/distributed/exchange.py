@@ -33,6 +33,19 @@ def comm_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
     return _STREAMS[index]
 
 
+def travel(ring: Optional["Ring"], blocks: list, tag: int, rank: int, world_size: int):
+    """The forward's walk round the ring: yields, for step t = 0 .. P-1, the rank ``(rank - t) % P``
+    whose block `blocks` (a list of tensors) holds then. The shift of the block in hand to the next
+    rank starts before each yield and is waited for after it, so the transfer overlaps what the
+    caller computes; `blocks` is refilled in place with the arriving tensors (the ones sent are
+    released there). `ring` may be None for one rank."""
+    for step in range(world_size):
+        pending = ring.shift(blocks, tag) if step < world_size - 1 else None
+        yield (rank - step) % world_size
+        if pending is not None:
+            blocks[:] = pending.wait()
+
+
 class Pending:
     """Transfers in flight; `wait` returns the received tensors once they have arrived."""
 

@@ -28,7 +28,7 @@ import torch
 from ..inputs import sinks_grad
 from .block_backward import BlockBackward
 from .buffers import as_bhsd, backward_setup, grad_like, key_accumulators, new_outputs, own_kv
-from .exchange import Ring
+from .exchange import Ring, travel
 from .forward import finish, forward_block, new_partials
 from .spec import RingSpec
 
@@ -47,11 +47,8 @@ class RingAttention(torch.autograd.Function):
         q_chunks = spec.chunks(rank)
         out, lse = new_outputs(spec, q, qh.shape[1], v.shape[-1])
         partials = new_partials(q_chunks, out)
-        for step in range(size):
-            pending = ring.shift(kv, TAG_KV) if step < size - 1 else None
-            forward_block(spec, qh, kv[0], kv[1], q_chunks, spec.chunks((rank - step) % size), partials)
-            if pending is not None:
-                kv = pending.wait()
+        for src in travel(ring, kv, TAG_KV, rank, size):
+            forward_block(spec, qh, kv[0], kv[1], q_chunks, spec.chunks(src), partials)
         finish(q_chunks, partials, sinks, out, lse)
         out = as_bhsd(spec.layout, out)  # back to the caller's layout
         ctx.spec = spec

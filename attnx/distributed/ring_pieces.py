@@ -15,7 +15,7 @@ import torch
 from ..inputs import sinks_grad
 from .block_backward import BlockBackward
 from .buffers import as_bhsd, backward_setup, empty_bhsd, grad_like, new_outputs
-from .exchange import Ring
+from .exchange import Ring, travel
 from .forward import finish, forward_block, new_partials
 from .kv_pieces import kv_pieces
 from .spec import RingSpec
@@ -36,11 +36,8 @@ class PiecedRingAttention(torch.autograd.Function):
         partials = new_partials(q_chunks, out)
         for piece in kv_pieces(spec):
             kv = [piece.take(kh), piece.take(vh)]
-            for step in range(size):
-                pending = ring.shift(kv, TAG_KV) if step < size - 1 else None
-                forward_block(spec, qh, kv[0], kv[1], q_chunks, piece.chunks(spec, (rank - step) % size), partials)
-                if pending is not None:
-                    kv = pending.wait()
+            for src in travel(ring, kv, TAG_KV, rank, size):
+                forward_block(spec, qh, kv[0], kv[1], q_chunks, piece.chunks(spec, src), partials)
         finish(q_chunks, partials, sinks, out, lse)
         out = as_bhsd(spec.layout, out)
         ctx.spec = spec

@@ -12,7 +12,7 @@ import torch
 
 from ..inputs import sinks_grad
 from ..reference import accumulation_dtype
-from .exchange import Ring, all_gather_start, reduce_scatter
+from .exchange import Ring, all_gather_start, reduce_scatter, travel
 from .varlen_block import Accumulator, BlockBackward, forward_block
 from .varlen_calls import VarlenSpec, plan_block
 
@@ -61,11 +61,8 @@ class VarlenRingAttention(torch.autograd.Function):
 
         def blocks():
             kv = [_padded(spec, k), _padded(spec, v)]
-            for step in range(size):
-                pending = ring.shift(kv, TAG_KV) if step < size - 1 else None
-                yield calls[(rank - step) % size], kv[0], kv[1]
-                if pending is not None:
-                    kv = pending.wait()
+            for src in travel(ring, kv, TAG_KV, rank, size):
+                yield calls[src], kv[0], kv[1]
 
         acc, out = _outputs(spec, q, v, blocks())
         out, lse = _finish(acc, out, q, sinks)

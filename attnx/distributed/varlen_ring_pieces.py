@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..inputs import sinks_grad
-from .exchange import Ring
+from .exchange import Ring, travel
 from .varlen_block import BlockBackward
 from .varlen_calls import VarlenSpec, plan_calls
 from .varlen_pieces import VarlenPieces
@@ -35,11 +35,8 @@ class VarlenPiecedRingAttention(torch.autograd.Function):
         def blocks():
             for j in cut.pieces():
                 kv = [cut.take(j, rank, k), cut.take(j, rank, v)]
-                for step in range(size):
-                    pending = ring.shift(kv, TAG_KV) if step < size - 1 else None
-                    yield calls[(j, (rank - step) % size)], kv[0], kv[1]
-                    if pending is not None:
-                        kv = pending.wait()
+                for src in travel(ring, kv, TAG_KV, rank, size):
+                    yield calls[(j, src)], kv[0], kv[1]
 
         acc, out = _outputs(spec, q, v, blocks())
         out, lse = _finish(acc, out, q, sinks)
