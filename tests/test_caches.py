@@ -44,6 +44,8 @@ from typing import NamedTuple, Optional
 import pytest
 import torch
 
+from test_reliability_cache import _env, _read_only_prefix
+
 ROOT = Path(__file__).resolve().parent.parent
 SAME = "same binary"
 GARBAGE = "a different binary"
@@ -122,12 +124,6 @@ _WORKER = textwrap.dedent("""
 """)
 
 
-def _env() -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    return env
-
-
 def _compile_into(directories: dict, prefix=()) -> dict:
     proc = subprocess.run(list(prefix) + [sys.executable, "-c", _WORKER], input=json.dumps(directories), cwd=ROOT,
                           env=_env(), capture_output=True, text=True, timeout=600)
@@ -201,29 +197,6 @@ def test_triton_damaged_cache_entry(row, damaged):
     assert observed == row.expected, f"{row.id}: {observed}, recorded as {row.expected}: update this table and docs"
     if row.known:
         pytest.xfail(f"{row.known}: {observed} (Triton's cache; attnx does not control it)")
-
-
-def _read_only_prefix() -> list:
-    """A command prefix under which 0o555 directories are read-only for the child (root: drop its capabilities)."""
-    if os.geteuid() != 0:
-        return []
-    setpriv = shutil.which("setpriv")
-    if setpriv is None:
-        pytest.skip("root without setpriv: cannot make a directory read-only for a child process")
-    drop = "-dac_override,-dac_read_search,-fowner"
-    prefix = [setpriv, "--bounding-set", drop, "--inh-caps", drop]
-    probe = Path(os.environ.get("TMPDIR", "/tmp")) / f"attnx-caches-probe-{os.getpid()}"
-    probe.mkdir(exist_ok=True)
-    probe.chmod(0o555)
-    try:
-        writable = subprocess.run(prefix + [sys.executable, "-c", f"open({str(probe / 'x')!r}, 'w')"],
-                                  capture_output=True, timeout=60).returncode == 0
-    finally:
-        probe.chmod(0o755)
-        shutil.rmtree(probe, ignore_errors=True)
-    if writable:
-        pytest.skip("setpriv could not drop CAP_DAC_OVERRIDE here")
-    return prefix
 
 
 def _set_mode(paths, read_only: bool) -> None:
