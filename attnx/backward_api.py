@@ -14,8 +14,8 @@ import torch
 
 from . import registry
 from .autograd import lse_shape, run_backward
-from .dispatch import priority
-from .errors import InvalidArgumentError, InvalidTypeError, NoBackendError
+from .dispatch import no_backend, priority
+from .errors import InvalidArgumentError, InvalidTypeError
 from .problem import Problem, make_call
 from .selection import allowed_backends
 
@@ -55,13 +55,7 @@ def choose_backward(p: Problem, forced: Optional[str] = None):
             _chosen[key] = candidate
             return candidate
         declined[name] = why
-    if forced is not None:
-        message = f"backend {forced!r} declines this backward"
-    elif allowed is not None:
-        message = f"none of the allowed backends ({', '.join(allowed)}) accepts this backward"
-    else:
-        message = "no registered backend accepts this backward"
-    raise NoBackendError(message, declined)
+    raise no_backend(forced, allowed, "this backward", declined)
 
 
 def _out_shape(p: Problem, q: torch.Tensor) -> tuple:

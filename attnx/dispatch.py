@@ -24,6 +24,18 @@ _NO_LAST = (None, None, -1, None)
 _last = _NO_LAST      # (problem, allowed, generation, backend) of the last decision returned
 
 
+def no_backend(forced: Optional[str], allowed, what: str, declined: dict) -> NoBackendError:
+    """The error when no backend accepts `what` ("this problem", "this backward"), worded after the
+    forced backend, the allowed ones or the whole registry; `declined`: name -> reasons."""
+    if forced is not None:
+        message = f"backend {forced!r} declines {what}"
+    elif allowed is not None:
+        message = f"none of the allowed backends ({', '.join(allowed)}) accepts {what}"
+    else:
+        message = f"no registered backend accepts {what}"
+    return NoBackendError(message, declined)
+
+
 def priority(p: Problem) -> list[str]:
     """Registered backend names, best first, for this problem (ties keep registration order)."""
     key = p.bucketed()
@@ -91,13 +103,7 @@ def choose(p: Problem, forced: Optional[str] = None):
     if chosen is None:
         decision = decide(p, forced)
         declined = {n: decision.reasons[n] for n in decision.considered}
-        if forced is not None:
-            message = f"backend {forced!r} declines this problem"
-        elif allowed is not None:
-            message = f"none of the allowed backends ({', '.join(allowed)}) accepts this problem"
-        else:
-            message = "no registered backend accepts this problem"
-        raise NoBackendError(message, declined)
+        raise no_backend(forced, allowed, "this problem", declined)
     backend = registry.get_backend(chosen)
     _remember(_buckets, bucket_key, backend)
     _remember(_exact, exact_key, backend)
