@@ -468,19 +468,3 @@ def test_cuda_read_only_warm_cache_is_used(tmp_path):
     finally:
         cache.chmod(0o755)
     assert result["ok"], result["error"]
-
-
-@gpu_cuda
-@pytest.mark.xfail(reason="R5: CuPy raises PermissionError writing to a read-only cache directory and "
-                          "backends/cuda/compile.py does not retry in memory (docs/reliability.md)")
-def test_cuda_read_only_cold_cache_still_computes_and_warns(tmp_path):
-    prefix = _read_only_prefix()
-    cache = tmp_path / "cupy"
-    cache.mkdir()
-    cache.chmod(0o555)
-    try:
-        result = _cuda_run(cache, prefix)
-    finally:
-        cache.chmod(0o755)
-    assert result["ok"], result["error"]
-    assert any("cache" in w.lower() for w in result["warnings"]), result["warnings"]
