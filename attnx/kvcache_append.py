@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from .errors import InvalidArgumentError, InvalidTypeError
-from .index_checks import check_offsets
+from .index_checks import check_offsets, check_pages, validating
 
 LAYOUTS = ("bhsd", "bshd")
 
@@ -97,8 +97,12 @@ def _token_major(t: torch.Tensor, layout: str, packed: bool) -> torch.Tensor:
 
 
 def _slots(cache, counts: list[int], packed: bool, cu_seqlens, device):
-    """(sequence, position) index tensors of the new tokens, built on the device."""
-    lengths = cache.lengths.long()
+    """(sequence, position) index tensors of the new tokens, built on the device.
+
+    Positions start at the host's lengths (`cache.seqlens`, the ones the capacity was checked
+    against), not at `cache.lengths` on the device, which a caller could have edited.
+    """
+    lengths = torch.tensor(cache.seqlens, dtype=torch.long).to(device)
     if not packed:
         new = counts[0] if counts else 0
         seq = torch.arange(cache.batch, device=device)[:, None].expand(cache.batch, new)
@@ -126,6 +130,10 @@ def write_tokens(cache, k, v, layout: str, cu_seqlens, counts: list[int]) -> Non
             return
         seq, pos = _slots(cache, counts, packed, cu_seqlens, cache.device)
         if cache.paged:
+            if validating():  # debugging mode: name a table entry outside the pool before writing
+                ends = [n + c for n, c in zip(used, counts)]
+                pages_used = torch.tensor([-(-n // cache.page_size) for n in ends])
+                check_pages("page_table", cache.page_table.cpu(), pages_used, cache.k.shape[0])
             page = cache.page_table.long()[seq, torch.div(pos, cache.page_size, rounding_mode="floor")]
             index = (page, pos % cache.page_size)
         else:

@@ -123,6 +123,33 @@ def test_kvcache_attend_inside_the_mode_reads_its_lengths():
             cache.attend(q, causal=True)
 
 
+def test_kvcache_append_inside_the_mode_checks_the_pages_it_writes():
+    cache = attnx.KVCache.allocate(batch=2, capacity=8, heads_kv=HKV, head_dim=D, page_size=4)
+    cache.append(torch.randn(2, HKV, 3, D), torch.randn(2, HKV, 3, D))
+    cache.page_table[1, 0] = -1     # edited behind the object's back: page 0 of sequence 1
+    pool = cache.k.clone()
+    with attnx.validate_indices():
+        with pytest.raises(attnx.InvalidArgumentError, match=r"`page_table`\[1, 0\] = -1 is outside the pool"):
+            cache.append(torch.randn(2, HKV, 1, D), torch.randn(2, HKV, 1, D))
+    # bitwise (the pool's unused rows hold torch.empty garbage, NaN included)
+    assert torch.equal(cache.k.view(torch.int32), pool.view(torch.int32)), "nothing is written before the error"
+    assert cache.seqlens == [3, 3]
+
+
+def test_kvcache_append_positions_follow_the_host_lengths():
+    """An in-place edit of `cache.lengths` (outside the contract) cannot move where appends write."""
+    cache = attnx.KVCache.allocate(batch=2, capacity=8, heads_kv=HKV, head_dim=D)
+    first = torch.randn(2, HKV, 2, D)
+    cache.append(first, first)
+    cache.lengths.fill_(1000)       # past the capacity: indexing with it would fail or write elsewhere
+    new = torch.randn(2, 3, HKV, D)  # one sequence each, packed: the path that builds index tensors
+    cache.append(new.flatten(0, 1)[:4], new.flatten(0, 1)[:4], layout="bshd",
+                 cu_seqlens=torch.tensor([0, 1, 4], dtype=torch.int32))
+    assert cache.seqlens == [3, 5]
+    assert torch.equal(cache.k[0, 2], new.flatten(0, 1)[0])
+    assert torch.equal(cache.k[1, 2:5], new.flatten(0, 1)[1:4])
+
+
 def test_valid_values_give_the_same_results_inside_and_outside():
     for make in (packed, cache, paged):
         tensors, options = make()
