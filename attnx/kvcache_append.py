@@ -99,20 +99,21 @@ def _token_major(t: torch.Tensor, layout: str, packed: bool) -> torch.Tensor:
 def _slots(cache, counts: list[int], packed: bool, cu_seqlens, device):
     """(sequence, position) index tensors of the new tokens, built on the device.
 
-    Positions start at the host's lengths (`cache.seqlens`, the ones the capacity was checked
-    against), not at `cache.lengths` on the device, which a caller could have edited.
+    Positions start at `cache.lengths` on the device, so a decode loop makes no host copy and can be
+    captured in a CUDA graph; callers clamp them into the cache, so an edited length tensor cannot
+    move a write outside it.
     """
-    lengths = torch.tensor(cache.seqlens, dtype=torch.long).to(device)
+    lengths = cache.lengths.long()
     if not packed:
         new = counts[0] if counts else 0
         seq = torch.arange(cache.batch, device=device)[:, None].expand(cache.batch, new)
         pos = lengths[:, None] + torch.arange(new, device=device)
-        return seq, pos
+        return seq, pos.clamp(0, cache.capacity - 1)
     total = sum(counts)
     cu = cu_seqlens.to(device=device).long()
     seq = torch.repeat_interleave(torch.arange(cache.batch, device=device), cu[1:] - cu[:-1], output_size=total)
     pos = lengths[seq] + torch.arange(total, device=device) - cu[seq]
-    return seq, pos
+    return seq, pos.clamp(0, cache.capacity - 1)
 
 
 def write_tokens(cache, k, v, layout: str, cu_seqlens, counts: list[int]) -> None:
@@ -135,7 +136,8 @@ def write_tokens(cache, k, v, layout: str, cu_seqlens, counts: list[int]) -> Non
                 pages_used = torch.tensor([-(-n // cache.page_size) for n in ends])
                 check_pages("page_table", cache.page_table.cpu(), pages_used, cache.k.shape[0])
             page = cache.page_table.long()[seq, torch.div(pos, cache.page_size, rounding_mode="floor")]
-            index = (page, pos % cache.page_size)
+            # clamped: whatever an edited `page_table` holds, the write stays inside the pool
+            index = (page.clamp(0, cache.k.shape[0] - 1), pos % cache.page_size)
         else:
             index = (seq, pos)
         cache.k.index_put_(index, k_t)

@@ -68,7 +68,10 @@ def _max_err(got, ref):
 
 
 def check_case(dtype=torch.bfloat16, b=2, hq=4, hkv=4, sq=128, sk=128, d=64, dv=None, causal=False, window=None,
-               offset=None, softcap=None, alibi=False, sinks=None, layout="bhsd", grad=True, scale=None, seed=0):
+               offset=None, softcap=None, alibi=False, sinks=None, layout="bhsd", grad=True, scale=None, seed=0,
+               broadcast_dout=False):
+    """`broadcast_dout`: the output gradient is one row expanded over batch, heads and rows (strides 0),
+    as autograd hands it to a backward after ``(out * w).sum()`` with a per-column weight."""
     dv = d if dv is None else dv
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
@@ -93,6 +96,8 @@ def check_case(dtype=torch.bfloat16, b=2, hq=4, hkv=4, sq=128, sk=128, d=64, dv=
     high_inputs = [t.double() if t is not None else None for t in low_inputs]
     slopes64 = slopes.double() if slopes is not None else None
     dout = torch.randn(*out.shape, device="cuda", generator=gen).to(dtype) if grad else None
+    if grad and broadcast_dout:
+        dout = torch.randn(out.shape[-1], device="cuda", generator=gen).to(dtype).expand(out.shape)
     dout_bhsd = bhsd(dout) if grad else None
     ref, ref_lse, ref_g = _formula_grads(p, high_inputs, slopes64, dout_bhsd, torch.float64)
     # the formula from the low-dtype inputs, computed in that dtype and in float32
@@ -220,3 +225,12 @@ def test_nan_rows(softcap, sinks):
     dq, = torch.autograd.grad(out, (q,), torch.ones_like(out))
     assert torch.isnan(dq[0, 1, 5]).all(), "the NaN row's dq is not NaN"
     assert not math.isnan(dq[0, 0].float().sum().item()), "NaN reached a head that never read one"
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_broadcast_output_gradient(d, layout):
+    """An output gradient with zero strides (a weighted sum of the output) reaches the backward in place:
+    the Hopper backward's TMA tensor maps and the Ampere kernel read it as they read any other."""
+    check_case(torch.bfloat16, b=2, hq=4, hkv=2, sq=200, sk=300, d=d, causal=True, layout=layout,
+               broadcast_dout=True)

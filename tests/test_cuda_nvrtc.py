@@ -160,12 +160,20 @@ def test_hopper_backward_dq_bulk_knob_compiles():
         assert ok and size > 0, log[:2000]
 
 
-def test_hopper_backward_is_not_dispatched_yet():
-    """Until a GPU has checked the Hopper backward, training on sm_90 runs the Ampere backward kernel."""
-    assert families.HOPPER.source("bwd") == "sm80/fa_bwd.cu"
-    tile = variants.head_dim_tile(128, 128, families.HOPPER, "bwd")
-    dispatched = variants.backward_variants(families.HOPPER, True, tile, False, variants.max_shared((9, 0)))
-    assert dispatched and all(v.kernel == "bwd" and v.source == "sm80/fa_bwd.cu" for v in dispatched)
+@pytest.mark.parametrize("head_dim,head_dim_v,deterministic,hopper", [
+    (128, 128, False, True), (64, 64, False, True), (40, 24, False, True), (128, 64, False, True),
+    (192, 192, False, False), (256, 256, False, False), (128, 128, True, False)])
+def test_training_on_hopper_runs_the_hopper_backward_where_it_has_a_tile(head_dim, head_dim_v, deterministic,
+                                                                         hopper):
+    """sm_90 gradients: the wgmma/TMA backward for head dims up to 128 (checked on the H200 2026-12-01,
+    1.5x the Ampere kernel there); larger head dims and the deterministic mode keep the Ampere kernel."""
+    from attnx.backends.cuda.backend import _hopper_backward
+
+    p = _problem("sm_90", head_dim=head_dim, head_dim_v=head_dim_v, needs_grad=True, deterministic=deterministic)
+    assert _hopper_backward(p) is hopper
+    assert BACKEND.rank(p) == (92 if hopper else 60)
+    assert (BACKEND.rank(p) > attnx.get_backend("triton").rank(p)) is hopper
+    assert not _hopper_backward(_problem("sm_80", head_dim=head_dim, head_dim_v=head_dim_v, needs_grad=True))
 
 
 @pytest.mark.parametrize("family", list(families.FAMILIES.values()), ids=lambda f: f.name)
@@ -244,9 +252,10 @@ def _problem(arch, **kw):
     return Problem.create(**base)
 
 
-@pytest.mark.parametrize("arch,rank", [("sm_80", 80), ("sm_86", 80), ("sm_90", 60)])
-def test_priority(arch, rank):
-    assert BACKEND.rank(_problem(arch, needs_grad=True)) == rank
+@pytest.mark.parametrize("arch,head_dim,rank", [("sm_80", 128, 80), ("sm_86", 128, 80), ("sm_90", 128, 92),
+                                                ("sm_90", 256, 60)])
+def test_priority(arch, head_dim, rank):
+    assert BACKEND.rank(_problem(arch, head_dim=head_dim, needs_grad=True)) == rank
 
 
 @pytest.mark.parametrize("arch,head_dim,seqlen,rank", [("sm_80", 128, 512, 80), ("sm_90", 128, 512, 96),

@@ -136,18 +136,30 @@ def test_kvcache_append_inside_the_mode_checks_the_pages_it_writes():
     assert cache.seqlens == [3, 3]
 
 
-def test_kvcache_append_positions_follow_the_host_lengths():
-    """An in-place edit of `cache.lengths` (outside the contract) cannot move where appends write."""
+def test_kvcache_append_with_edited_lengths_stays_inside_the_cache():
+    """An in-place edit of `cache.lengths` (outside the contract) cannot make an append write outside
+    the cache: positions are clamped to its capacity (the write lands in the last slot)."""
     cache = attnx.KVCache.allocate(batch=2, capacity=8, heads_kv=HKV, head_dim=D)
     first = torch.randn(2, HKV, 2, D)
     cache.append(first, first)
-    cache.lengths.fill_(1000)       # past the capacity: indexing with it would fail or write elsewhere
+    cache.lengths.fill_(1000)       # past the capacity: unclamped indexing would fail
     new = torch.randn(2, 3, HKV, D)  # one sequence each, packed: the path that builds index tensors
     cache.append(new.flatten(0, 1)[:4], new.flatten(0, 1)[:4], layout="bshd",
                  cu_seqlens=torch.tensor([0, 1, 4], dtype=torch.int32))
     assert cache.seqlens == [3, 5]
-    assert torch.equal(cache.k[0, 2], new.flatten(0, 1)[0])
-    assert torch.equal(cache.k[1, 2:5], new.flatten(0, 1)[1:4])
+    assert torch.equal(cache.k[0, 7], new.flatten(0, 1)[0])
+    assert torch.equal(cache.k[1, 7], new.flatten(0, 1)[3])
+    assert torch.equal(cache.k[:, :2], first.transpose(1, 2)), "the tokens before are untouched"
+
+
+def test_kvcache_append_with_an_edited_page_table_stays_inside_the_pool():
+    cache = attnx.KVCache.allocate(batch=2, capacity=8, heads_kv=HKV, head_dim=D, page_size=4)
+    cache.append(torch.randn(2, HKV, 3, D), torch.randn(2, HKV, 3, D))
+    cache.page_table[1, 0] = 9001   # outside the pool of 4 pages: clamped to the last page
+    new = torch.randn(2, HKV, 1, D)
+    cache.append(new, new)
+    assert cache.seqlens == [4, 4]
+    assert torch.equal(cache.k[cache.k.shape[0] - 1, 3], new[1, :, 0])
 
 
 def test_valid_values_give_the_same_results_inside_and_outside():

@@ -22,11 +22,22 @@ def _driver_bindings() -> bool:
     return True
 
 
+def _hopper_backward(p) -> bool:
+    """Whether the Hopper backward (kernels/sm90/fa_bwd.cu) runs `p`'s gradients: sm_90, head dims up to
+    128, not deterministic (its dQ is added with atomics)."""
+    if p.deterministic or p.capability is None:
+        return False
+    from .launch_sm90_bwd import backward_variant_for
+
+    return backward_variant_for(p) is not None
+
+
 class CudaBackend(Backend):
     name = "cuda"
     description = ("FlashAttention in CUDA C++ compiled at run time by NVRTC through CuPy, NVIDIA sm_80..sm_90, "
                    "fp16/bf16: FlashAttention-2 kernels (mma.sync, ldmatrix, cp.async) for Ampere/Ada; on Hopper "
-                   "a warp-specialised wgmma + TMA forward (FlashAttention-3 style) and the Ampere backward")
+                   "warp-specialised wgmma + TMA kernels (FlashAttention-3 style): the forward, and the "
+                   "backward up to head dim 128 (the Ampere backward above)")
     device_types = frozenset({"cuda"})
     vendors = frozenset({"nvidia"})
     min_capability = _LOWEST           # the span of the kernel families (families.py)
@@ -35,20 +46,22 @@ class CudaBackend(Backend):
     max_head_dim = HEAD_DIM_TILES[-1]
     mask_kinds = frozenset()          # dense masks are not implemented in the kernels
     supports_mask_grad = False
-    # The dispatched backward adds dQ with fp32 atomics. The deterministic backward (launch_deterministic.py:
-    # the same kernel without atomic dQ, then a dQ pass) is written but has never run on a GPU: set this to
-    # True once `python -m benchmarks.cuda_deterministic check` passes on one (NOTES.md, "Deterministic
-    # backward"); `backward` below then sends deterministic problems there.
-    deterministic = False
+    # The default backwards add dQ with fp32 atomics; deterministic problems run launch_deterministic.py
+    # (the Ampere backward without atomic dQ, then a dQ pass): bitwise-identical on the H200 2026-12-01
+    # (105 cases), 1.06-1.12x the atomic Ampere backward's time (NOTES.md, "Deterministic backward").
+    deterministic = True
     supports_offset = True
     supports_sinks = True
     # measured on the H200 (2026-12-01, bf16, paper setting, benchmarks/results/h200-2026-12-01/
     # paper-hopper-*): the Hopper forward beats triton everywhere (1.2-10x) and the torch backend's
     # cuDNN (95) at d128-d256, so forward-only problems come here first on sm_90 -- except head dims
     # up to 64 below 16k tokens, where cuDNN was faster (d64 S=4k: 442 vs 427 TFLOP/s). Training
-    # keeps 60: the backward on sm_90 is the Ampere kernel, slower than triton's (288 vs 368).
+    # with the Hopper backward (head dims <= 128, not deterministic) ranks 92, ahead of triton (90):
+    # fwd+bwd d128 16k 429 TFLOP/s against triton's 362; other training problems keep 60 (the Ampere
+    # backward on sm_90: 284 TFLOP/s). cuDNN (torch, 95) still comes first where it was faster.
     priority = {"cuda:nvidia": 80, "cuda:sm_90": 60}
     forward_priority = {"cuda:sm_90": 96}
+    hopper_training_priority = 92
     # (largest head dim, shortest sequence) below which a forward ranks `CUDNN_FIRST` instead
     CUDNN_FASTER_BELOW = (64, 16384)
     CUDNN_FIRST = 93
@@ -91,14 +104,18 @@ class CudaBackend(Backend):
         return reasons
 
     def rank(self, p) -> int:
-        """On sm_90 without gradients 96, but 93 for head dims <= 64 below 16k tokens (cuDNN first); else `priority`."""
-        if not p.needs_grad:
-            for device_class in p.device_classes:
-                if device_class in self.forward_priority:
-                    head_dim, seqlen = self.CUDNN_FASTER_BELOW
-                    if max(p.head_dim, p.head_dim_v) <= head_dim and min(p.seqlen_q, p.seqlen_k) < seqlen:
-                        return self.CUDNN_FIRST
-                    return self.forward_priority[device_class]
+        """On sm_90 without gradients 96, but 93 for head dims <= 64 below 16k tokens (cuDNN first); with
+        gradients 92 where the Hopper backward runs; else `priority`."""
+        if p.needs_grad:
+            if _hopper_backward(p):
+                return self.hopper_training_priority
+            return super().rank(p)
+        for device_class in p.device_classes:
+            if device_class in self.forward_priority:
+                head_dim, seqlen = self.CUDNN_FASTER_BELOW
+                if max(p.head_dim, p.head_dim_v) <= head_dim and min(p.seqlen_q, p.seqlen_k) < seqlen:
+                    return self.CUDNN_FIRST
+                return self.forward_priority[device_class]
         return super().rank(p)
 
     def doctor_details(self) -> dict:
@@ -125,10 +142,14 @@ class CudaBackend(Backend):
         return forward(p, x)
 
     def backward(self, p, x, out, lse, dout):
-        if p.deterministic:  # reached only once `deterministic` is True: declined until then
+        if p.deterministic:
             from .launch_deterministic import backward as deterministic_backward
 
             return deterministic_backward(p, x, out, lse, dout)
+        if _hopper_backward(p):
+            from .launch_sm90_bwd import backward as hopper_backward
+
+            return hopper_backward(p, x, out, lse, dout)
         from .launch import backward
 
         return backward(p, x, out, lse, dout)

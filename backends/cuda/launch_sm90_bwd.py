@@ -1,8 +1,8 @@
-"""Launcher of the Hopper family's backward (kernels/sm90/fa_bwd.cu): not dispatched yet.
+"""Launcher of the Hopper family's backward (kernels/sm90/fa_bwd.cu).
 
-The dispatcher still runs the Ampere backward on sm_90 (`families.HOPPER.sources["bwd"]`); this
-kernel is reached only through `backward` here (benchmarks/hopper_backward.py) until a GPU has
-checked and timed it (backends/cuda/NOTES.md, "Hopper backward"). Like the Hopper forward it reads
+`CudaBackend.backward` runs it on sm_90 for head dims up to 128 outside the deterministic mode
+(checked against float64 and timed on the H200 2026-12-01: backends/cuda/NOTES.md, "Hopper
+backward"); larger head dims run the Ampere backward. Like the Hopper forward it reads
 q, k, v and dout through TMA tensor maps (both layouts in place, GQA heads by coordinate, zero fill
 past the sequence ends and head dims) and writes dk, dv with clipped TMA stores; dq is added in
 float32 to `dq_accum` and converted once here, as in the Ampere launcher. delta and the sinks'
