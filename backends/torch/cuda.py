@@ -91,14 +91,22 @@ def nan_rows_to_lse(p: Problem, q: torch.Tensor, k: torch.Tensor, lse: torch.Ten
     or keys 0..i under causal with Sq == Sk (the only masks this path declares), so a running
     "any" over the keys finds them; on the device, with no host synchronisation.
     """
-    key_nan = torch.isnan(k).any(-1)                                         # (B, Hkv, Sk)
+    key_nan = _rows_with_nan(k)                                              # (B, Hkv, Sk)
     if p.group_size > 1:
         key_nan = key_nan.repeat_interleave(p.group_size, dim=1)
     if uses_is_causal(p):
         seen = key_nan.to(torch.uint8).cummax(-1).values.bool()               # keys 0..i, Sq == Sk
     else:
         seen = key_nan.any(-1, keepdim=True)
-    return torch.where(torch.isnan(q).any(-1) | seen, torch.full_like(lse, float("nan")), lse)
+    return torch.where(_rows_with_nan(q) | seen, torch.full_like(lse, float("nan")), lse)
+
+
+def _rows_with_nan(t: torch.Tensor) -> torch.Tensor:
+    """Whether each row (last dim) of `t` holds a NaN: max propagates NaN, so one read of `t` and no
+    bool copy of it (isnan(t).any(-1) cost the H200 d64 forward at 1k tokens more than half its speed)."""
+    if t.shape[-1] == 0:
+        return torch.zeros(t.shape[:-1], dtype=torch.bool, device=t.device)
+    return torch.isnan(t.amax(-1))
 
 
 def backward(p: Problem, x: Inputs, out, lse, dout) -> Grads:
