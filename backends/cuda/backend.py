@@ -52,19 +52,17 @@ class CudaBackend(Backend):
     deterministic = True
     supports_offset = True
     supports_sinks = True
-    # measured on the H200 (2026-12-01, bf16, paper setting, benchmarks/results/h200-2026-12-01/
-    # paper-hopper-*): the Hopper forward beats triton everywhere (1.2-10x) and the torch backend's
-    # cuDNN (95) at d128-d256, so forward-only problems come here first on sm_90 -- except head dims
-    # up to 64 below 16k tokens, where cuDNN was faster (d64 S=4k: 442 vs 427 TFLOP/s). Training
-    # with the Hopper backward (head dims <= 128, not deterministic) ranks 92, ahead of triton (90):
-    # fwd+bwd d128 16k 429 TFLOP/s against triton's 362; other training problems keep 60 (the Ampere
-    # backward on sm_90: 284 TFLOP/s). cuDNN (torch, 95) still comes first where it was faster.
+    # measured on the H200 (2026-12-01, bf16, paper setting, benchmarks/results/h200-2026-12-01-backward/):
+    # the Hopper forward beats triton everywhere and the torch backend (95, cuDNN with lse, whose forward
+    # ran 196-580 TFLOP/s against this one's 337-644), so forward-only problems come here first on
+    # sm_90 (96). cuDNN alone was faster at d64 below 16k tokens (d64 S=1k: 430 vs 337), but through
+    # the torch backend it must return lse, which costs it more than that. Training with the Hopper
+    # backward (head dims <= 128, not deterministic) ranks 92, ahead of triton (90): fwd+bwd d128 16k
+    # 442 TFLOP/s against triton's 368; the torch backend (cuDNN, 555) still comes first where it runs.
+    # Other training problems keep 60 (the Ampere backward on sm_90: 284 TFLOP/s).
     priority = {"cuda:nvidia": 80, "cuda:sm_90": 60}
     forward_priority = {"cuda:sm_90": 96}
     hopper_training_priority = 92
-    # (largest head dim, shortest sequence) below which a forward ranks `CUDNN_FIRST` instead
-    CUDNN_FASTER_BELOW = (64, 16384)
-    CUDNN_FIRST = 93
 
     required_modules = ("cupy",)
     install_hint = 'pip install "attnx[cuda13]"  (or [cuda12])'
@@ -104,17 +102,11 @@ class CudaBackend(Backend):
         return reasons
 
     def rank(self, p) -> int:
-        """On sm_90 without gradients 96, but 93 for head dims <= 64 below 16k tokens (cuDNN first); with
-        gradients 92 where the Hopper backward runs; else `priority`."""
+        """On sm_90: 96 without gradients, 92 with gradients the Hopper backward runs; else `priority`."""
         if p.needs_grad:
-            if _hopper_backward(p):
-                return self.hopper_training_priority
-            return super().rank(p)
+            return self.hopper_training_priority if _hopper_backward(p) else super().rank(p)
         for device_class in p.device_classes:
             if device_class in self.forward_priority:
-                head_dim, seqlen = self.CUDNN_FASTER_BELOW
-                if max(p.head_dim, p.head_dim_v) <= head_dim and min(p.seqlen_q, p.seqlen_k) < seqlen:
-                    return self.CUDNN_FIRST
                 return self.forward_priority[device_class]
         return super().rank(p)
 
