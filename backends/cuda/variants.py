@@ -157,8 +157,8 @@ FORWARD_TILES = {
 # softcap derivative beside S^T and dP^T and only fits 240 registers with 64 (dQ then split by keys).
 HOPPER_BACKWARD_TILES = {64: (128, 64), 128: (64, 64)}
 HOPPER_BACKWARD_KEYS = 128
-# head-dim tiles of each family's kernels (the dispatched backward of both is the Ampere kernel; the
-# deterministic backward uses its tiles for dK/dV and for the dQ pass)
+# head-dim tiles of each family's kernels ("bwd", the Ampere backward, runs on sm_90 for head dims
+# above 128 and in the deterministic mode, which uses its tiles for dK/dV and for the dQ pass)
 TILE_SETS = {("sm80", "fwd"): HEAD_DIM_TILES, ("sm80", "bwd"): HEAD_DIM_TILES,
              ("sm90", "fwd"): PANEL_TILES, ("sm90", "bwd"): HEAD_DIM_TILES,
              ("sm90", "bwd_wgmma"): tuple(HOPPER_BACKWARD_TILES)}
