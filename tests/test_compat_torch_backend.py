@@ -94,7 +94,10 @@ def _cuda_problem(dtype=torch.bfloat16, seqlen=1024, head_dim=128, heads_kv=4, a
 
 
 @pytest.mark.parametrize("options, kernel, rank", [
-    (dict(), "cudnn", 95), (dict(causal=True), "cudnn", 95), (dict(seqlen=128), "flash", 50),
+    (dict(needs_grad=True), "cudnn", 95), (dict(causal=True, needs_grad=True), "cudnn", 95),
+    (dict(), "cudnn", 50), (dict(seqlen=4096), "cudnn", 95), (dict(seqlen=4096, causal=True), "cudnn", 50),
+    (dict(seqlen=4096, head_dim=64), "cudnn", 50), (dict(seqlen=16384, head_dim=64, causal=True), "cudnn", 95),
+    (dict(seqlen=128), "flash", 50),
     (dict(head_dim=96), "flash", 50), (dict(heads_kv=1), "flash", 50), (dict(arch="sm_80"), "flash", 50),
     (dict(dtype=torch.float32), None, None), (dict(window=(16, 0)), None, None),
     (dict(head_dim=100), None, None), (dict(mask_kind="bool", mask_shape=(1, 1, 1, 1024)), None, None),

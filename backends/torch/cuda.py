@@ -48,6 +48,15 @@ def cudnn_wins(p: Problem) -> bool:
             and length_bucket(min(p.seqlen_q, p.seqlen_k)) >= CUDNN_MIN_SEQLEN)
 
 
+def cudnn_forward_wins(p: Problem) -> bool:
+    """Forward-only problems where the cuDNN forward, asked for lse as this backend must, still beat triton
+    on the H200 (2026-12-01, bf16, benchmarks/results/h200-2026-12-01-backward): 16k tokens (d128 580 vs
+    488, d64 430 vs 411), and d128 without causal from 4k (492-508 vs 465). Below that its lse costs it
+    the lead (d64 1k: 196 vs 349; d128 causal 4k: 350-368 vs 404)."""
+    length = length_bucket(min(p.seqlen_q, p.seqlen_k))
+    return length >= 16384 or (p.head_dim == 128 and not uses_is_causal(p) and length >= 4096)
+
+
 def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
     """`t` as torch's fused kernels read it, else a contiguous copy: unit last stride, a 16-byte aligned
     start and 16-byte multiples for every other stride of a dimension longer than 1 (their vector loads:
