@@ -1,0 +1,455 @@
+// Split-KV decode forward (flash-decoding) for Ampere-class and Hopper GPUs, mma.sync only.
+//
+// One thread block per (split, batch, kv head, chunk of 16 rows). Its rows are the GQA group's
+// query heads x the new queries (row r of a kv head = query head r / Sq, query r % Sq), one mma M
+// tile, so every K/V byte of a split is read once per 16 rows (Llama-3 decode: once). Each warp
+// owns every NUM_WARPS-th key block of the split with its own cp.async ring (KV_STAGES deep, waited
+// on with __syncwarp only) and its own online softmax: the warps never meet inside the key loop and
+// merge once at the end through shared memory. One split writes out/lse (sinks included); more
+// write float32 partials (normalised out, natural lse) that attnx_decode_combine merges like
+// attnx.merge (a sink is one more part of value 0; a NaN part keeps the row NaN).
+//
+// Key formats: dense (B, Hkv, Sk, D) through strides (both layouts), a cache with per-sequence
+// lengths (seqlens_k, clamped to [0, capacity]) and a paged pool (num_pages, page_size, Hkv, D)
+// read through page_table (B, max_pages); every table entry is clamped to [0, num_pages), so no
+// index value can move a read outside the buffers.
+//
+// Compile-time knobs (NVRTC -D): IS_BF16, HEAD_DIM (padded tile: 64/128/256), BLOCK_N (keys per
+// warp block, 16), NUM_WARPS, SCORE_MOD (softcap/ALiBi/scale <= 0), KV_STAGES; DECODE_COMBINE=1
+// builds only the combine kernel (its own specialisation: IS_BF16).
+#include "common/mask.cuh"
+#include "common/score_mod.cuh"
+#include "common/softmax.cuh"
+#include "sm80/ptx.cuh"
+
+// The launcher (backends/cuda/launch_decode.py) mirrors this layout with a numpy record:
+// 8-byte fields first, then 4-byte fields, same order.
+struct DecodeParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  float* lse;              // (B, Hq, Sq) natural log, sinks included
+  float* part_o;           // splits > 1: (splits, rows, head_dim_v) normalised partial outs
+  float* part_lse;         // splits > 1: (splits, rows) natural-log partial lse (no sink)
+  const float* alibi;      // slopes or null
+  const float* sinks;      // (Hq,) or null
+  const int* seqlens_k;    // (B,) or null: every sequence holds `capacity` keys
+  const int* page_table;   // (B, max_pages) with row stride pt_bs, or null
+  long long q_bs, q_hs, q_rs;
+  long long k_bs, k_hs, k_rs;  // paged: page, head and row-in-page strides
+  long long v_bs, v_hs, v_rs;
+  long long o_bs, o_hs, o_rs;
+  long long alibi_bs, alibi_hs;
+  long long pt_bs;
+  int batch, heads_q, heads_kv, group, seqlen_q;
+  int capacity;            // keys a sequence can hold (dense Sk, cache Smax, max_pages * page_size)
+  int head_dim, head_dim_v;  // multiples of 8
+  int window_left, window_right;
+  int key_offset;          // aligned position of query 0 when !align_br
+  int align_br;            // 1: bottom-right per sequence, offset = seqlen_k[b] - Sq
+  int page_size, num_pages;
+  int row_chunks;          // ceil(group * Sq / 16)
+  int splits, split_keys;  // split s covers keys [s * split_keys, (s + 1) * split_keys)
+  int rows;                // B * Hq * Sq: rows of lse and of each split's partials
+  float scale, scale_log2, softcap, softcap_inv;
+};
+
+// Keys of sequence b, clamped to what the buffers hold (an empty pool holds none).
+DEVI int sequence_keys(const DecodeParams& p, int b) {
+  if (p.page_table && p.num_pages <= 0) return 0;
+  if (!p.seqlens_k) return p.capacity;
+  return min(max(p.seqlens_k[b], 0), p.capacity);
+}
+
+#if !defined(DECODE_COMBINE) || !DECODE_COMBINE
+
+// Copy key block [n0, n0 + BN) of K and V into one ring stage (row stride LD = HD + 8: ldmatrix
+// without bank conflicts). Keys >= Sk and columns past the head dims are zero-filled without a
+// read. Paged: lane j holds the pool page and row of key n0 + j (pg, pr), shuffled to the copiers.
+template <int HD, int BN>
+DEVI void load_kv(u32 sK, u32 sV, const DecodeParams& p, const u16* kbase, const u16* vbase, int n0, int Sk,
+                  int pg, int pr, int lane) {
+  constexpr int CPR = HD / 8, LD = HD + 8, CHUNKS = BN * CPR / 32;
+  const bool paged = p.page_table != nullptr;
+#pragma unroll
+  for (int i = 0; i < CHUNKS; ++i) {
+    const int c = lane + 32 * i, r = c / CPR, cc = c % CPR;
+    const int j = n0 + r;
+    long long koff, voff;
+    if (paged) {
+      const int page = __shfl_sync(0xffffffffu, pg, r), prow = __shfl_sync(0xffffffffu, pr, r);
+      koff = page * p.k_bs + prow * p.k_rs;
+      voff = page * p.v_bs + prow * p.v_rs;
+    } else {
+      koff = j * p.k_rs;
+      voff = j * p.v_rs;
+    }
+    const bool row_ok = j < Sk;
+    const bool kok = row_ok && cc * 8 < p.head_dim, vok = row_ok && cc * 8 < p.head_dim_v;
+    const u32 dst = 2 * (r * LD + cc * 8);
+    cp_async16(sK + dst, kok ? kbase + koff + cc * 8 : kbase, kok);
+    cp_async16(sV + dst, vok ? vbase + voff + cc * 8 : vbase, vok);
+  }
+}
+
+// Page and row in page of key n0 + lane (lanes < BN; 0 past Sk), the table entry clamped.
+template <int BN>
+DEVI void lookup_page(const DecodeParams& p, int b, int n0, int Sk, int lane, int* pg, int* pr) {
+  const int j = n0 + lane;
+  int page = 0, row = 0;
+  if (lane < BN && j < Sk) {
+    const int idx = j / p.page_size;  // < max_pages: j < Sk <= capacity = max_pages * page_size
+    page = min(max(p.page_table[b * p.pt_bs + idx], 0), p.num_pages - 1);
+    row = j - idx * p.page_size;
+  }
+  *pg = page;
+  *pr = row;
+}
+
+template <bool BF16, int HD, int BN, int NW, bool MOD, int STAGES>
+DEVI void decode_forward(const DecodeParams& p) {
+  constexpr int THREADS = NW * 32;
+  constexpr int NT = BN / 8;   // n-tiles of a warp's score tile
+  constexpr int DT = HD / 8;   // n-tiles of the output
+  constexpr int KS = HD / 16;  // k-steps of Q K^T
+  constexpr int LD = HD + 8;
+  constexpr int OLD = HD + 4;  // float row stride of the merge buffer
+  constexpr bool Q_IN_REGS = HD <= 128;
+  static_assert(BN % 16 == 0 && BN <= 32 && (BN * HD / 8) % 32 == 0, "a warp block is 16 or 32 keys");
+  static_assert(STAGES >= 2 && STAGES <= 4, "2..4 stages");
+
+  extern __shared__ __align__(16) u16 smem[];
+  u16* sQ = smem;  // 16 x LD, then each warp's ring of STAGES x (K, V) blocks
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const u32 ring = smem_u32(sQ + 16 * LD + warp * STAGES * 2 * BN * LD);
+  constexpr u32 STAGE_BYTES = 2 * BN * LD * 2, V_BYTES = BN * LD * 2;
+
+  const int programs = p.batch * p.heads_kv * p.row_chunks;
+  const int split = blockIdx.x / programs;
+  const int prog = blockIdx.x - split * programs;
+  const int bh = prog / p.row_chunks;  // b * Hkv + hk
+  const int chunk = prog - bh * p.row_chunks;
+  const int b = bh / p.heads_kv, hk = bh - b * p.heads_kv;
+  const int Sq = p.seqlen_q, group_rows = p.group * Sq;
+  const int Sk = sequence_keys(p, b);
+  const Visibility vis{Sq, Sk, p.align_br ? Sk - Sq : p.key_offset, p.window_left, p.window_right};
+
+  // the chunk's rows r0..r1 and the queries they hold (all of them when the chunk spans two heads)
+  const int r0 = chunk * 16, r1 = min(r0 + 16, group_rows) - 1;
+  int i_lo = 0, i_hi = Sq - 1;
+  if (r0 / Sq == r1 / Sq) {
+    i_lo = r0 - (r0 / Sq) * Sq;
+    i_hi = r1 - (r1 / Sq) * Sq;
+  }
+  int key_lo, key_hi;
+  keys_seen(vis, i_lo, i_hi, &key_lo, &key_hi);
+  const int split_lo = split * p.split_keys;
+  key_lo = max(key_lo, split_lo);
+  key_hi = min(key_hi, split_lo + p.split_keys - 1);
+  const int blk_first = key_lo / BN;
+  const int blk_last = key_hi >= key_lo ? key_hi / BN : blk_first - 1;
+  const int my_first = blk_first + warp;  // this warp's blocks: my_first + t * NW
+  const int nt = my_first <= blk_last ? (blk_last - my_first) / NW + 1 : 0;
+
+  // Q: 16 rows gathered from the group's heads (zero rows past the group)
+  for (int c = tid; c < 16 * (HD / 8); c += THREADS) {
+    const int r = c / (HD / 8), cc = c - r * (HD / 8), gr = r0 + r;
+    const bool ok = gr < group_rows && cc * 8 < p.head_dim;
+    const u16* src = (const u16*)p.q;
+    if (ok) {
+      const int hq = gr / Sq;
+      src += b * p.q_bs + (hk * p.group + hq) * p.q_hs + (gr - hq * Sq) * p.q_rs + cc * 8;
+    }
+    cp_async16(smem_u32(sQ + r * LD + cc * 8), src, ok);
+  }
+  cp_commit();
+
+  const bool paged = p.page_table != nullptr;
+  const u16* kbase = (const u16*)p.k + hk * p.k_hs + (paged ? 0 : b * p.k_bs);
+  const u16* vbase = (const u16*)p.v + hk * p.v_hs + (paged ? 0 : b * p.v_bs);
+  int pg = 0, pr = 0;  // paged: the pool page/row of key `lane` of the next block to issue
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < nt) {
+      const int n0 = (my_first + s * NW) * BN;
+      if (paged) lookup_page<BN>(p, b, n0, Sk, lane, &pg, &pr);
+      load_kv<HD, BN>(ring + s * STAGE_BYTES, ring + s * STAGE_BYTES + V_BYTES, p, kbase, vbase, n0, Sk, pg, pr,
+                      lane);
+    }
+    cp_commit();
+  }
+  // the table entries of the first block the loop issues, read a block ahead from here on
+  if (paged && STAGES - 1 < nt) lookup_page<BN>(p, b, (my_first + (STAGES - 1) * NW) * BN, Sk, lane, &pg, &pr);
+
+  // this thread's two rows (g, g + 8): query index, head; padded rows copy row i_lo's visibility
+  int row_q[2], row_h[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int gr = r0 + g + 8 * r;
+    const bool valid = gr < group_rows;
+    row_h[r] = hk * p.group + (valid ? gr / Sq : 0);
+    row_q[r] = valid ? gr - (gr / Sq) * Sq : i_lo;
+  }
+  ScoreMod mods[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float slope = p.alibi ? p.alibi[b * p.alibi_bs + row_h[r] * p.alibi_hs] : 0.f;
+    mods[r] = ScoreMod{p.scale, p.softcap, p.softcap_inv, slope, vis.offset};
+  }
+  const float unit = MOD ? 1.f : p.scale_log2;
+  // every row of the chunk sees every key of a block inside this band: no mask there
+  const int band_rows = i_hi - i_lo + 1;
+
+  cp_wait<STAGES - 1>();
+  __syncthreads();  // Q is in shared memory (the warps' first blocks may still be in flight)
+
+  const u32 sQ_a = smem_u32(sQ);
+  const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_col = (lane >> 4) * 8;
+  const int bn_row = (lane & 7) + (lane >> 4) * 8, bn_col = ((lane >> 3) & 1) * 8;
+  const int bt_row = (lane & 7) + ((lane >> 3) & 1) * 8, bt_col = (lane >> 4) * 8;
+  u32 qfrag[Q_IN_REGS ? KS : 1][4];
+  if constexpr (Q_IN_REGS) {
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) ldsm_x4(qfrag[ks], sQ_a + 2 * (a_row * LD + ks * 16 + a_col));
+  }
+
+  float acc[DT][4];
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[dt][i] = 0.f;
+  float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
+
+  for (int t = 0; t < nt; ++t) {
+    cp_wait<STAGES - 2>();  // this lane's copies of block t have landed
+    __syncwarp();           // ... every lane's too; the stage refilled below was last read at t - 1
+    {
+      const int tn = t + STAGES - 1;
+      if (tn < nt) {
+        const u32 st = ring + (tn % STAGES) * STAGE_BYTES;
+        load_kv<HD, BN>(st, st + V_BYTES, p, kbase, vbase, (my_first + tn * NW) * BN, Sk, pg, pr, lane);
+      }
+      cp_commit();
+      // the next block's table entries: their latency hides behind this block's math
+      if (paged && tn + 1 < nt) lookup_page<BN>(p, b, (my_first + (tn + 1) * NW) * BN, Sk, lane, &pg, &pr);
+    }
+    const u32 sK_a = ring + (t % STAGES) * STAGE_BYTES, sV_a = sK_a + V_BYTES;
+    const int n0 = (my_first + t * NW) * BN;
+
+    float s[NT][4];
+#pragma unroll
+    for (int nt8 = 0; nt8 < NT; ++nt8)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[nt8][i] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      u32 a[4];
+      if constexpr (Q_IN_REGS) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[i] = qfrag[ks][i];
+      } else {
+        ldsm_x4(a, sQ_a + 2 * (a_row * LD + ks * 16 + a_col));
+      }
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        u32 bf[4];
+        ldsm_x4(bf, sK_a + 2 * ((np * 16 + bn_row) * LD + ks * 16 + bn_col));
+        mma16816<BF16>(s[2 * np], a, bf[0], bf[1]);
+        mma16816<BF16>(s[2 * np + 1], a, bf[2], bf[3]);
+      }
+    }
+
+    if constexpr (MOD) {
+#pragma unroll
+      for (int nt8 = 0; nt8 < NT; ++nt8)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int col = n0 + nt8 * 8 + 2 * t4 + (i & 1);
+          float dcap;  // unused
+          s[nt8][i] = apply_score_mod(mods[i >> 1], s[nt8][i], row_q[i >> 1], col, &dcap) * ATTNX_LOG2E;
+        }
+    }
+    if (!tile_inside_band(vis, i_lo, band_rows, n0, BN)) {
+#pragma unroll
+      for (int nt8 = 0; nt8 < NT; ++nt8)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int col = n0 + nt8 * 8 + 2 * t4 + (i & 1);
+          if (!key_visible(vis, row_q[i >> 1], col)) s[nt8][i] = neg_inf();
+        }
+    }
+
+    // online softmax of this warp's keys; a row lives in the 4 lanes of a quad
+    float alphas[2];
+    bool rescale = false;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = row_max[r];
+#pragma unroll
+      for (int nt8 = 0; nt8 < NT; ++nt8) mx = fmaxf(mx, fmaxf(s[nt8][2 * r], s[nt8][2 * r + 1]));
+      mx = quad_max(mx);
+      const float m_scaled = max_shift(mx, unit);
+      const float alpha = exp2_approx(row_max[r] * unit - m_scaled);
+      row_max[r] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt8 = 0; nt8 < NT; ++nt8) {
+        const float p0 = exp2_approx(fmaf(s[nt8][2 * r], unit, -m_scaled));
+        const float p1 = exp2_approx(fmaf(s[nt8][2 * r + 1], unit, -m_scaled));
+        s[nt8][2 * r] = p0;
+        s[nt8][2 * r + 1] = p1;
+        sum += p0 + p1;
+      }
+      row_sum[r] = row_sum[r] * alpha + sum;
+      alphas[r] = alpha;
+      rescale |= alpha != 1.f;
+    }
+    if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[dt][i] *= alphas[i >> 1];
+    }
+
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      u32 a[4];
+      a[0] = pack2<BF16>(s[2 * kk][0], s[2 * kk][1]);
+      a[1] = pack2<BF16>(s[2 * kk][2], s[2 * kk][3]);
+      a[2] = pack2<BF16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[3] = pack2<BF16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int dp = 0; dp < DT / 2; ++dp) {
+        u32 bf[4];
+        ldsm_x4_t(bf, sV_a + 2 * ((kk * 16 + bt_row) * LD + dp * 16 + bt_col));
+        mma16816<BF16>(acc[2 * dp], a, bf[0], bf[1]);
+        mma16816<BF16>(acc[2 * dp + 1], a, bf[2], bf[3]);
+      }
+    }
+  }
+
+  // merge the warps once: each parks (max in log2 units, sum, unnormalised out) in shared memory
+  cp_wait<0>();
+  __syncthreads();  // every ring is drained and read: the merge buffer overlays them
+  float* sO = reinterpret_cast<float*>(smem);  // NW x 16 x OLD
+  float* sM = sO + NW * 16 * OLD;              // NW x 16
+  float* sL = sM + NW * 16;                    // NW x 16
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = g + 8 * r;
+    const float l = quad_sum(row_sum[r]);
+    if (t4 == 0) {
+      sM[warp * 16 + row] = row_max[r] * unit;  // -inf: this warp saw no key of the row
+      sL[warp * 16 + row] = l;
+    }
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+      *reinterpret_cast<float2*>(sO + (warp * 16 + row) * OLD + dt * 8 + 2 * t4) =
+          make_float2(acc[dt][2 * r], acc[dt][2 * r + 1]);
+  }
+  __syncthreads();
+
+  const int dv = p.head_dim_v;
+  for (int idx = tid; idx < 16 * (HD / 4); idx += THREADS) {
+    const int row = idx / (HD / 4), c = (idx - row * (HD / 4)) * 4;
+    const int gr = r0 + row;
+    if (gr >= group_rows || c >= dv) continue;
+    float top = neg_inf();
+#pragma unroll
+    for (int w = 0; w < NW; ++w) top = fmaxf(top, sM[w * 16 + row]);
+    const float shift = top == neg_inf() ? 0.f : top;
+    float sum = 0.f, o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float wt = exp2_approx(sM[w * 16 + row] - shift);  // 0 for a warp that saw nothing
+      const float4 ow = *reinterpret_cast<const float4*>(sO + (w * 16 + row) * OLD + c);
+      sum += wt * sL[w * 16 + row];  // a NaN sum stays NaN (0 * NaN)
+      o0 += wt * ow.x;
+      o1 += wt * ow.y;
+      o2 += wt * ow.z;
+      o3 += wt * ow.w;
+    }
+    const int hq = gr / Sq, h = hk * p.group + hq, i = gr - hq * Sq;
+    const long long grow = ((long long)b * p.heads_q + h) * Sq + i;
+    float inv, row_lse;
+    if (p.splits == 1) {
+      softmax_finish(shift, sum, p.sinks ? p.sinks[h] : neg_inf(), &inv, &row_lse);
+      u16* o = (u16*)p.o + b * p.o_bs + h * p.o_hs + i * p.o_rs + c;
+      *reinterpret_cast<uint2*>(o) = make_uint2(pack2<BF16>(o0 * inv, o1 * inv), pack2<BF16>(o2 * inv, o3 * inv));
+      if (c == 0) p.lse[grow] = row_lse;
+    } else {
+      softmax_finish(shift, sum, neg_inf(), &inv, &row_lse);  // the sink joins in the combine
+      const long long prow = split * (long long)p.rows + grow;
+      *reinterpret_cast<float4*>(p.part_o + prow * dv + c) = make_float4(o0 * inv, o1 * inv, o2 * inv, o3 * inv);
+      if (c == 0) p.part_lse[prow] = row_lse;
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32) attnx_decode(const DecodeParams p) {
+  decode_forward<IS_BF16 != 0, HEAD_DIM, BLOCK_N, NUM_WARPS, SCORE_MOD != 0, KV_STAGES>(p);
+}
+
+#else  // DECODE_COMBINE
+
+DEVI float warp_max(float x) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, m));
+  return x;
+}
+DEVI float warp_sum(float x) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
+
+// One warp per row: lse = logsumexp of the splits' lse and the sink; out = sum of the splits' outs
+// weighted by exp(lse_s - lse). As attnx.merge: no part saw the row -> out 0, lse -inf (the sink
+// with one); a NaN part -> NaN row (fmaxf drops NaN from the max, but its exp reaches the total).
+template <bool BF16>
+DEVI void decode_combine(const DecodeParams& p) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int grow = blockIdx.x * 4 + warp;
+  if (grow >= p.rows) return;
+  const int Sq = p.seqlen_q;
+  const int bh = grow / Sq, i = grow - bh * Sq;
+  const int b = bh / p.heads_q, h = bh - b * p.heads_q;
+  const float sink2 = (p.sinks ? p.sinks[h] : neg_inf()) * ATTNX_LOG2E;
+
+  float top = sink2;
+  for (int s = lane; s < p.splits; s += 32) top = fmaxf(top, p.part_lse[(long long)s * p.rows + grow] * ATTNX_LOG2E);
+  top = warp_max(top);
+  const float shift = top == neg_inf() ? 0.f : top;
+  float total = lane == 0 ? exp2_approx(sink2 - shift) : 0.f;
+  for (int s = lane; s < p.splits; s += 32)
+    total += exp2_approx(p.part_lse[(long long)s * p.rows + grow] * ATTNX_LOG2E - shift);
+  total = warp_sum(total);
+  const bool seen = !(total == 0.f);  // NaN counts as seen
+  const float lse2 = seen ? shift + log2f(total) : neg_inf();
+  const float base = seen ? lse2 : 0.f;
+
+  const int dv = p.head_dim_v;
+  u16* o = (u16*)p.o + b * p.o_bs + h * p.o_hs + i * p.o_rs;
+  for (int c = lane * 4; c < dv; c += 128) {
+    float o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
+    for (int s = 0; s < p.splits; ++s) {
+      const long long prow = (long long)s * p.rows + grow;
+      const float wt = exp2_approx(p.part_lse[prow] * ATTNX_LOG2E - base);
+      const float4 x = *reinterpret_cast<const float4*>(p.part_o + prow * dv + c);
+      o0 += wt * x.x;
+      o1 += wt * x.y;
+      o2 += wt * x.z;
+      o3 += wt * x.w;
+    }
+    *reinterpret_cast<uint2*>(o + c) = make_uint2(pack2<BF16>(o0, o1), pack2<BF16>(o2, o3));
+  }
+  if (lane == 0) p.lse[grow] = lse2 * ATTNX_LN2;
+}
+
+extern "C" __global__ void __launch_bounds__(128) attnx_decode_combine(const DecodeParams p) {
+  decode_combine<IS_BF16 != 0>(p);
+}
+
+#endif
