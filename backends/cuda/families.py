@@ -3,7 +3,9 @@
 A family is one implementation of the kernels (its sources under ``kernels/``, sharing
 ``kernels/common/``): the Ampere-class mma.sync kernels (sm_80..sm_89) and the Hopper family
 (sm_90: a wgmma/TMA warp-specialised forward and backward; the Ampere backward built for sm_90a for
-head dims above 128 and the deterministic mode). Among the families that cover a GPU, the one of
+head dims above 128 and the deterministic mode). Both also carry the split-KV decode kernel
+(``sm80/fa_decode.cu``: mma.sync, built for each family's target; not dispatched yet, see
+``launch_decode``). Among the families that cover a GPU, the one of
 highest priority runs there. `nvrtc_arch` is the one place the ``-arch`` flag is derived.
 """
 from __future__ import annotations
@@ -31,14 +33,16 @@ class Family(NamedTuple):
 
 
 AMPERE = Family(name="sm80", min_capability=(8, 0), max_capability=(8, 9),
-                sources={"fwd": "sm80/fa_fwd.cu", "bwd": "sm80/fa_bwd.cu", "bwd_dq": "sm80/fa_bwd_dq.cu"},
+                sources={"fwd": "sm80/fa_fwd.cu", "bwd": "sm80/fa_bwd.cu", "bwd_dq": "sm80/fa_bwd_dq.cu",
+                         "decode": "sm80/fa_decode.cu", "decode_combine": "sm80/fa_decode.cu"},
                 priority=0)
 # Hopper: warp-specialised wgmma/TMA forward ("fwd") and backward ("bwd_wgmma", head dims up to 128);
 # "bwd" (the Ampere kernel built for sm_90a) runs the larger head dims and, with "bwd_dq" (both
 # families), the deterministic backward (launch_deterministic).
 HOPPER = Family(name="sm90", min_capability=(9, 0), max_capability=(9, 0),
                 sources={"fwd": "sm90/fa_fwd.cu", "bwd": "sm80/fa_bwd.cu", "bwd_wgmma": "sm90/fa_bwd.cu",
-                         "bwd_dq": "sm80/fa_bwd_dq.cu"},
+                         "bwd_dq": "sm80/fa_bwd_dq.cu", "decode": "sm80/fa_decode.cu",
+                         "decode_combine": "sm80/fa_decode.cu"},
                 priority=1, tensor_maps=True)
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (AMPERE, HOPPER)}

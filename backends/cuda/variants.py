@@ -10,6 +10,8 @@ head-dim tiles that are whole 64-column swizzle panels. The Hopper backward (`bw
 The deterministic backward (`launch_deterministic`, both families) is the Ampere backward
 built without its atomic dQ (`atomic_dq=False`) followed by a dQ pass (`bwd_dq`) that walks the
 key blocks of one query block and writes dQ once.
+The split-KV decode kernel (`decode`, `decode_combine`; `launch_decode`, both families, not dispatched
+yet) runs one 16-row mma tile of a GQA group per block, each warp streaming its own key blocks.
 `all_variants()` is what the CI compile test builds; the launcher only ever asks for members of
 that set.
 """
@@ -31,7 +33,8 @@ class Variant(NamedTuple):
     """One compile of one kernel file."""
 
     family: str        # a key of families.FAMILIES
-    kernel: str        # "fwd", "bwd", "bwd_dq" (the deterministic dQ pass) or "bwd_wgmma" (the Hopper backward)
+    kernel: str        # "fwd", "bwd", "bwd_dq" (the deterministic dQ pass), "bwd_wgmma" (the Hopper backward),
+                       # "decode" (split-KV decode) or "decode_combine" (its merge of the splits)
     bf16: bool
     head_dim: int      # padded tile
     block_m: int       # fwd, bwd_dq: queries per block; bwd: queries per step
@@ -69,6 +72,8 @@ class Variant(NamedTuple):
         return f"attnx_{self.kernel}"
 
     def defines(self) -> tuple[str, ...]:
+        if self.kernel == "decode_combine":  # the combine alone: only the output dtype matters
+            return (f"-DIS_BF16={int(self.bf16)}", "-DDECODE_COMBINE=1")
         d = {"IS_BF16": int(self.bf16), "HEAD_DIM": self.head_dim, "BLOCK_M": self.block_m,
              "BLOCK_N": self.block_n, "NUM_WARPS": self.warps, "SCORE_MOD": int(self.score_mod)}
         if self.hopper_backward:
@@ -98,7 +103,15 @@ class Variant(NamedTuple):
             panels = self.head_dim // 64
             return (panels * 128 * (self.block_m + 2 * self.stages * self.block_n) + 8 * (1 + 4 * self.stages)
                     + 1024)
+        if self.kernel == "decode_combine":
+            return 0
         ld = self.head_dim + 8
+        if self.kernel == "decode":
+            # Q tile + each warp's ring of STAGES x (K, V) blocks; the end-of-loop merge buffer (fp32 out,
+            # max and sum of every warp's 16 rows) overlays them
+            ring = (16 + 2 * self.warps * self.stages * self.block_n) * ld * 2
+            merge = self.warps * 16 * ((self.head_dim + 4) * 4 + 8)
+            return max(ring, merge)
         if self.kernel == "fwd":
             return (self.block_m + 2 * self.stages * self.block_n) * ld * 2
         if self.kernel == "bwd_dq":  # Q, dO; STAGES x (K, V)
@@ -112,7 +125,7 @@ class Variant(NamedTuple):
             flags += "+dv" if self.do_dv else "+dk"
         flags += "" if self.atomic_dq else " no-dq"
         flags += (" wgmma" + ("+dqbulk" if self.dq_bulk else "")) if self.hopper_backward else ""
-        stages = f" s{self.stages}" if self.kernel in ("fwd", "bwd_dq") else ""
+        stages = f" s{self.stages}" if self.kernel in ("fwd", "bwd_dq", "decode") else ""
         stages += ("+overlap" if self.overlap else "") + ("+pingpong" if self.pingpong else "")
         tile = f"d{self.head_dim} {self.block_m}x{self.block_n} w{self.warps}{stages}"
         return f"{self.family} {self.kernel} {tile} {flags}"
@@ -157,11 +170,22 @@ FORWARD_TILES = {
 # softcap derivative beside S^T and dP^T and only fits 240 registers with 64 (dQ then split by keys).
 HOPPER_BACKWARD_TILES = {64: (128, 64), 128: (64, 64)}
 HOPPER_BACKWARD_KEYS = 128
+# Split-KV decode: head-dim tile -> (block_m = 16 rows, block_n = keys per warp block, warps, K/V stages per
+# warp), best first; the first that fits the device's shared memory is used. 16-key blocks keep a warp's
+# ring small enough for 3-4 stages; the fallbacks are for ~99 KB GPUs (sm_86, sm_89). Unmeasured.
+DECODE_TILES = {
+    64: (_A(16, 16, 4, 4),),                      # 76 KB
+    128: (_A(16, 16, 4, 3), _A(16, 16, 4, 2)),    # 109 KB / 74 KB
+    256: (_A(16, 16, 4, 2), _A(16, 16, 2, 2)),    # 144 KB / 76 KB
+}
+DECODE_HEAD_DIM_TILES = tuple(DECODE_TILES)
+COMBINE_WARPS = 4  # decode_combine: one warp per row
 # head-dim tiles of each family's kernels ("bwd", the Ampere backward, runs on sm_90 for head dims
 # above 128 and in the deterministic mode, which uses its tiles for dK/dV and for the dQ pass)
 TILE_SETS = {("sm80", "fwd"): HEAD_DIM_TILES, ("sm80", "bwd"): HEAD_DIM_TILES,
              ("sm90", "fwd"): PANEL_TILES, ("sm90", "bwd"): HEAD_DIM_TILES,
-             ("sm90", "bwd_wgmma"): tuple(HOPPER_BACKWARD_TILES)}
+             ("sm90", "bwd_wgmma"): tuple(HOPPER_BACKWARD_TILES),
+             ("sm80", "decode"): DECODE_HEAD_DIM_TILES, ("sm90", "decode"): DECODE_HEAD_DIM_TILES}
 # (block_m = queries per step, block_n = keys per block = 16 * warps, warps)
 BACKWARD_TILES = {
     32: ((64, 128, 8), (64, 64, 4)),
@@ -258,6 +282,24 @@ def hopper_backward_variant(family: Family, bf16: bool, tile: int, score_mod: bo
     return v if v.shared_bytes() <= max_shared else None
 
 
+def decode_variant(family: Family, bf16: bool, tile: int, score_mod: bool, max_shared: int) -> Variant | None:
+    """The split-KV decode kernel for a head-dim tile: the first of `DECODE_TILES` that fits, or None."""
+    if "decode" not in family.sources:
+        return None
+    for t in DECODE_TILES.get(tile, ()):
+        v = Variant(family.name, "decode", bf16, tile, t.block_m, t.block_n, t.warps, score_mod, stages=t.stages)
+        if v.shared_bytes() <= max_shared:
+            return v
+    return None
+
+
+def decode_combine_variant(family: Family, bf16: bool) -> Variant | None:
+    """The merge of the decode kernel's splits (one per output dtype), or None."""
+    if "decode_combine" not in family.sources:
+        return None
+    return Variant(family.name, "decode_combine", bf16, 0, 0, 0, COMBINE_WARPS, False)
+
+
 # opt-in shared memory per block (bytes) by compute capability; others get the small figure
 SHARED_PER_BLOCK = {(8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376, (9, 0): 232448,
                     (10, 0): 232448, (10, 3): 232448, (12, 0): 101376}
@@ -283,6 +325,11 @@ def requestable(family: Family, capability) -> list[Variant]:
             for tile in TILE_SETS.get((family.name, "bwd_wgmma"), ()):
                 bwd = hopper_backward_variant(family, bf16, tile, mod, shared)
                 found += [bwd] if bwd else []
+            for tile in TILE_SETS.get((family.name, "decode"), ()):
+                dec = decode_variant(family, bf16, tile, mod, shared)
+                found += [dec] if dec else []
+        combine = decode_combine_variant(family, bf16)
+        found += [combine] if combine else []
     return found
 
 

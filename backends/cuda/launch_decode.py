@@ -1,0 +1,218 @@
+"""Launcher of the cuda backend's split-KV decode forward (kernels/sm80/fa_decode.cu, both families).
+
+NOT DISPATCHED: `CudaBackend` still declines the cache and paged formats and runs dense decoding on
+its forward kernels. This module is reached only through `forward` below, from
+benchmarks/cuda_decode.py, until a GPU has checked it (`python -m benchmarks.cuda_decode check`,
+then `time`; backends/cuda/NOTES.md, "Split-KV decode").
+
+One kernel block per (split, batch, kv head, 16 rows of the GQA group's heads x queries); splits
+write float32 partials that `attnx_decode_combine` merges (as `attnx.merge`). The number of splits
+follows FlashAttention-2's heuristic (fill the GPU's block slots) from the SM count and the cache
+capacity, so a decoding loop over one cache keeps one decision. Everything the kernels index with
+is checked or clamped here or in the kernel: lengths to [0, capacity], page entries to
+[0, num_pages), tensors the kernel cannot read in place are copied (`launch.kernel_operand`).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from attnx.autograd import alloc_out
+from attnx.errors import InvalidArgumentError
+from attnx.inputs import Inputs
+from attnx.limits import kernel_window
+
+from .families import family_for, nvrtc_arch
+from .launch import _check_grid, _strides, _strides_ok, _vector, kernel_operand, round8, score_mod
+from .variants import Variant, decode_combine_variant, decode_variant, head_dim_tile, max_shared
+
+MAX_SEQLEN_Q = 16     # query rows per sequence the kernel is built for (one 16-row mma tile per head)
+ROWS_PER_BLOCK = 16   # rows of the GQA group (heads x queries) per kernel block
+MAX_SPLITS = 128
+MIN_SPLIT_KEYS = 256  # fewer keys per split than this cost more in the combine than they gain
+FILL = 0.8            # no split once the blocks fill this much of one wave
+
+# the kernels' DecodeParams (fa_decode.cu): 8-byte fields, then 4-byte fields, in the C order
+_POINTERS = ("q", "k", "v", "o", "lse", "part_o", "part_lse", "alibi", "sinks", "seqlens_k", "page_table")
+_STRIDES = ("q_bs", "q_hs", "q_rs", "k_bs", "k_hs", "k_rs", "v_bs", "v_hs", "v_rs", "o_bs", "o_hs", "o_rs",
+            "alibi_bs", "alibi_hs", "pt_bs")
+_INTS = ("batch", "heads_q", "heads_kv", "group", "seqlen_q", "capacity", "head_dim", "head_dim_v",
+         "window_left", "window_right", "key_offset", "align_br", "page_size", "num_pages", "row_chunks",
+         "splits", "split_keys", "rows")
+_FLOATS = ("scale", "scale_log2", "softcap", "softcap_inv")
+DECODE_PARAMS_DTYPE = np.dtype([(n, np.uint64) for n in _POINTERS] + [(n, np.int64) for n in _STRIDES]
+                               + [(n, np.int32) for n in _INTS] + [(n, np.float32) for n in _FLOATS], align=True)
+
+
+def pack_decode_params(**values):
+    """A by-value `DecodeParams` argument; fields not given are zero (null pointers)."""
+    record = np.zeros((), DECODE_PARAMS_DTYPE)
+    for name, value in values.items():
+        record[name] = value
+    return record[()]
+
+
+def blocks_per_sm(variant: Variant, capability) -> int:
+    """Decode blocks one SM holds at once (shared memory bound; registers allow more)."""
+    return max(1, min(4, max_shared(capability) // (variant.shared_bytes() + 1024)))
+
+
+def num_splits(programs: int, slots: int, capacity: int, split_unit: int) -> int:
+    """Key splits for `programs` blocks over `capacity` keys on `slots` block slots (FlashAttention-2's
+    `num_splits_heuristic`): none once the blocks fill `FILL` of a wave; otherwise the fewest splits (up to
+    `MAX_SPLITS`, at least `MIN_SPLIT_KEYS` keys each) whose last wave is >= 85 % as full as the best."""
+    if programs <= 0 or programs >= FILL * slots:
+        return 1
+    most = max(1, min(MAX_SPLITS, capacity // max(MIN_SPLIT_KEYS, split_unit)))
+    eff = []
+    for s in range(1, most + 1):
+        waves = programs * s / slots
+        eff.append(waves / math.ceil(waves))
+    best = max(eff)
+    return next(s for s, e in enumerate(eff, start=1) if e >= 0.85 * best)
+
+
+def decode_variant_for(p) -> Optional[Variant]:
+    family = family_for(p.capability)
+    if family is None:
+        return None
+    tile = head_dim_tile(round8(p.head_dim), round8(p.head_dim_v), family, "decode")
+    if tile is None:
+        return None
+    return decode_variant(family, p.dtype == torch.bfloat16, tile, score_mod(p), max_shared(p.capability))
+
+
+class DecodeLaunch(NamedTuple):
+    """Everything one decode call launches, prepared on the host (no GPU needed to build it)."""
+    variant: Variant
+    combine: Optional[Variant]  # None with one split
+    args: np.void               # DecodeParams
+    grid: int                   # decode blocks: splits x batch x kv heads x row chunks
+    combine_grid: int
+    splits: int
+    out: torch.Tensor           # in the caller's layout (a bhsd view)
+    out_k: torch.Tensor         # what the kernels write (out itself when it can)
+    lse: torch.Tensor
+    keep: tuple                 # tensors the record points into
+
+
+def _check(p) -> None:
+    if p.q_format != "dense" or p.kv_format not in ("dense", "cache", "paged"):
+        raise InvalidArgumentError(f"the decode kernel takes dense q with dense, cache or paged keys, got "
+                                   f"q {p.q_format}, kv {p.kv_format}")
+    if p.mask_kind is not None:
+        raise InvalidArgumentError("the decode kernel takes no mask tensor")
+    if p.dtype not in (torch.float16, torch.bfloat16):
+        raise InvalidArgumentError(f"the decode kernel runs float16/bfloat16, got {p.dtype}")
+    if not 1 <= p.seqlen_q <= MAX_SEQLEN_Q:
+        raise InvalidArgumentError(f"the decode kernel takes 1..{MAX_SEQLEN_Q} queries, got {p.seqlen_q}")
+
+
+def prepare(p, x: Inputs, sm_count: int, *, splits: Optional[int] = None,
+            variant: Optional[Variant] = None) -> DecodeLaunch:
+    """The launches of one decode call on backend-view inputs `x` (see `attnx.inputs.Inputs`).
+
+    `splits` overrides the heuristic (checks run both paths), `variant` the tile table. Builds the
+    outputs, the workspace and the parameter record; launches nothing.
+    """
+    _check(p)
+    variant = variant or decode_variant_for(p)
+    if variant is None:
+        raise InvalidArgumentError(f"no decode tile for head dims {p.head_dim}/{p.head_dim_v} on {p.arch}")
+    d, dv = round8(p.head_dim), round8(p.head_dim_v)
+    q, k, v = kernel_operand(x.q, d), kernel_operand(x.k, d), kernel_operand(x.v, dv)
+    slopes, sinks = _vector(x.alibi_slopes), _vector(x.sinks)
+    out = alloc_out(p, q)
+    out_k = out if (dv == p.head_dim_v and _strides_ok(out) and out.data_ptr() % 16 == 0) else \
+        q.new_empty(p.batch, p.heads_q, p.seqlen_q, dv)
+    lse = torch.empty(p.batch, p.heads_q, p.seqlen_q, device=q.device, dtype=torch.float32)
+
+    fields = {}
+    keep = [q, k, v, out_k, lse]
+    if p.kv_format == "paged":
+        # pools (num_pages, page_size, Hkv, D): page, head, row-in-page strides (0 for dims of size 1)
+        num_pages = k.shape[0]
+        table = x.page_table if x.page_table.stride(-1) == 1 else x.page_table.contiguous()
+        keep.append(table)
+        kb, kr, kh = (s if n > 1 else 0 for s, n in zip(k.stride()[:3], k.shape[:3]))
+        vb, vr, vh = (s if n > 1 else 0 for s, n in zip(v.stride()[:3], v.shape[:3]))
+        capacity = table.shape[1] * p.page_size if num_pages > 0 else 0
+        fields.update(page_table=table.data_ptr(), pt_bs=table.stride(0) if table.shape[0] > 1 else 0,
+                      page_size=p.page_size, num_pages=num_pages)
+    else:
+        (kb, kh, kr), (vb, vh, vr) = _strides(k), _strides(v)
+        capacity = k.shape[2]
+    if x.seqlens_k is not None:
+        lengths = x.seqlens_k.to(torch.int32).contiguous()
+        keep.append(lengths)
+        fields.update(seqlens_k=lengths.data_ptr())
+    if slopes is not None:
+        fields.update(alibi=slopes.data_ptr(), alibi_bs=slopes.stride(0) if p.batch > 1 else 0,
+                      alibi_hs=slopes.stride(1))
+        keep.append(slopes)
+    if sinks is not None:
+        fields.update(sinks=sinks.data_ptr())
+        keep.append(sinks)
+
+    rows = p.batch * p.heads_q * p.seqlen_q
+    row_chunks = -(-(p.group_size * p.seqlen_q) // ROWS_PER_BLOCK)
+    programs = p.batch * p.heads_kv * row_chunks
+    unit = variant.warps * variant.block_n  # a split is whole rounds of every warp's key block
+    if splits is None:
+        splits = num_splits(programs, sm_count * blocks_per_sm(variant, p.capability), capacity, unit)
+    splits = max(1, min(int(splits), max(1, -(-capacity // unit))))
+    split_keys = -(-max(capacity, 1) // splits)
+    split_keys = -(-split_keys // unit) * unit
+    splits = max(1, -(-capacity // split_keys))
+    grid = splits * programs
+    _check_grid(grid)
+    combine = None
+    if splits > 1:
+        family = family_for(p.capability)
+        combine = decode_combine_variant(family, p.dtype == torch.bfloat16)
+        part_o = torch.empty(splits, rows, dv, device=q.device, dtype=torch.float32)
+        part_lse = torch.empty(splits, rows, device=q.device, dtype=torch.float32)
+        keep += [part_o, part_lse]
+        fields.update(part_o=part_o.data_ptr(), part_lse=part_lse.data_ptr())
+
+    left, right = kernel_window(p)
+    (qb, qh, qr), (ob, oh, orow) = _strides(q), _strides(out_k)
+    align_br = int(p.offset is None and p.kv_format != "dense")
+    args = pack_decode_params(
+        q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=out_k.data_ptr(), lse=lse.data_ptr(),
+        q_bs=qb, q_hs=qh, q_rs=qr, k_bs=kb, k_hs=kh, k_rs=kr, v_bs=vb, v_hs=vh, v_rs=vr,
+        o_bs=ob, o_hs=oh, o_rs=orow, batch=p.batch, heads_q=p.heads_q, heads_kv=p.heads_kv, group=p.group_size,
+        seqlen_q=p.seqlen_q, capacity=capacity, head_dim=d, head_dim_v=dv, window_left=left, window_right=right,
+        key_offset=p.key_offset if not align_br else 0, align_br=align_br, row_chunks=row_chunks, splits=splits,
+        split_keys=split_keys, rows=rows, scale=p.scale, scale_log2=p.scale * 1.4426950408889634,
+        softcap=p.softcap or 0.0, softcap_inv=1.0 / p.softcap if p.softcap else 0.0, **fields)
+    combine_grid = -(-rows // combine.warps) if combine is not None else 0
+    return DecodeLaunch(variant, combine, args, grid, combine_grid, splits, out, out_k, lse, tuple(keep))
+
+
+def forward(p, x: Inputs, *, splits: Optional[int] = None, variant: Optional[Variant] = None,
+            poison: bool = False):
+    """(out, lse) of one decode call (backend-view inputs); `poison` fills out and lse with NaN first, so
+    an element the kernels fail to write shows up in a check."""
+    from .compile import get_kernel
+    from .launch import _device_index, _launch
+
+    device_index = _device_index(x.q)
+    sm_count = torch.cuda.get_device_properties(device_index).multi_processor_count
+    plan = prepare(p, x, sm_count, splits=splits, variant=variant)
+    if poison:
+        plan.out_k.fill_(float("nan"))
+        plan.lse.fill_(float("nan"))
+    if plan.grid > 0:
+        arch = nvrtc_arch(p.capability)
+        kernel = get_kernel(plan.variant, arch, device_index)
+        _launch(kernel, plan.grid, plan.variant.threads, plan.variant.shared_bytes(), (plan.args,), device_index)
+        if plan.combine is not None:
+            combine = get_kernel(plan.combine, arch, device_index)
+            _launch(combine, plan.combine_grid, plan.combine.threads, 0, (plan.args,), device_index)
+    if plan.out_k is not plan.out:
+        plan.out.copy_(plan.out_k[..., : p.head_dim_v])
+    return plan.out, plan.lse

@@ -1,0 +1,353 @@
+"""The cuda backend's split-KV decode kernel (not dispatched yet): correctness, then speed.
+
+    python -m benchmarks.cuda_decode check               # every format x feature row vs the float64 formula
+    python -m benchmarks.cuda_decode time                # Llama-3-8B decode: GB/s of K+V beside SDPA, triton
+    python -m benchmarks.cuda_decode check --self-test   # the harness on the CPU (float32 formula as kernel)
+
+One device call runs both: ``check && time``. `check` prints one numbered line per case (worst error
+of out and lse beside the bound), continues past failures, stops only when the CUDA context is lost,
+ends with a summary and exits 1 on any failure. The bound is benchmarks/backward_check.py's: twice
+the error of the formula computed from the same low-dtype inputs in that dtype and in float32, plus
+1e-3; NaN rows must be exactly the formula's, rows that see nothing exactly -inf (or the sink).
+out and lse are poisoned with NaN before each launch. Caches hold NaN past every sequence's length,
+paged pools NaN in every page no sequence uses and page tables garbage (negative, past the pool)
+past the used pages, so a read the kernel should not make shows up as NaN. Needs CuPy,
+cuda-bindings and an sm_80..sm_90 GPU (the `time` rows also triton).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from typing import NamedTuple
+
+import torch
+
+from attnx.reference import attention_reference
+
+from .backward_check import bench, context_alive, max_err
+
+
+class Case(NamedTuple):
+    name: str
+    fmt: str        # "dense", "cache" or "paged"
+    lengths: tuple  # keys of each sequence (dense: every sequence has lengths[0])
+    hq: int
+    hkv: int
+    sq: int
+    d: int
+    dv: int
+    page_size: int
+    opts: dict      # attention options, and dtype, layout, alibi/sinks (bool or value), splits, nan_key
+
+
+LENGTHS = (1, 15, 16, 17, 1000, 4097)
+
+
+def cases() -> list:
+    found = []
+    # every format at every length (two sequences: caches hold different lengths), default splits
+    for fmt, ps in (("dense", 0), ("cache", 0), ("paged", 16)):
+        for n in LENGTHS:
+            lens = (n, n) if fmt == "dense" else (n, max(n // 2, 0) if fmt == "cache" else max(n - 3, 0))
+            found.append(Case(f"{fmt} len", fmt, lens, 8, 2, 1, 128, 128, ps, {}))
+    for ps in (1, 16, 256):
+        found.append(Case(f"paged{ps} mixed", "paged", (1000, 17, 0, 4097), 8, 2, 1, 128, 128, ps, {}))
+        found.append(Case(f"paged{ps} causal sq4", "paged", (3, 300, 1000), 8, 2, 4, 128, 128, ps, {"causal": True}))
+    found.append(Case("cache empty", "cache", (0, 17, 0), 8, 2, 1, 128, 128, 0, {}))
+    found.append(Case("cache all empty", "cache", (0, 0), 8, 2, 1, 128, 128, 0, {"sinks": True}))
+    found.append(Case("paged all empty", "paged", (0, 0), 8, 2, 1, 128, 128, 16, {}))
+    # features, each on the three formats
+    features = [
+        ("gqa1", (1000, 77), 8, 8, 1, 128, 128, {}),
+        ("gqa8", (1000, 77), 8, 1, 1, 128, 128, {}),
+        ("gqa8 sq16", (1000, 77), 8, 1, 16, 128, 128, {"causal": True}),
+        ("gqa8 sq3 (chunks span heads)", (500, 40), 8, 1, 3, 128, 128, {"causal": True}),
+        ("llama gqa4 sq4", (4097, 1000), 32, 8, 4, 128, 128, {"causal": True}),
+        ("causal sq16 short", (5, 300), 8, 2, 16, 128, 128, {"causal": True}),
+        ("window", (1000, 300), 8, 2, 4, 128, 128, {"window": (64, 0)}),
+        ("window+offset", (1000, 300), 8, 2, 4, 128, 128, {"window": (32, 8), "offset": 250}),
+        ("causal offset0", (1000, 300), 8, 2, 4, 128, 128, {"causal": True, "offset": 0}),
+        ("offset<0", (1000, 300), 8, 2, 2, 128, 128, {"causal": True, "offset": -3}),
+        ("softcap", (1000, 300), 8, 2, 1, 128, 128, {"softcap": 30.0}),
+        ("alibi causal", (1000, 300), 8, 2, 4, 128, 128, {"alibi": True, "causal": True}),
+        ("softcap+alibi", (1000, 300), 8, 2, 2, 128, 128, {"softcap": 20.0, "alibi": True}),
+        ("scale<0", (300, 190), 8, 2, 1, 128, 128, {"scale": -0.05}),
+        ("sinks", (1000, 0), 8, 2, 2, 128, 128, {"sinks": True, "causal": True}),
+        ("dominant sinks", (1000, 17), 8, 2, 1, 128, 128, {"sinks": 20.0}),
+        ("-inf sinks", (1000, 17), 8, 2, 1, 128, 128, {"sinks": float("-inf")}),
+        ("fp16", (1000, 300), 8, 2, 4, 128, 128, {"dtype": torch.float16, "causal": True}),
+        ("fp16 softcap bshd", (1000, 300), 8, 2, 1, 128, 128, {"dtype": torch.float16, "softcap": 30.0,
+                                                               "layout": "bshd"}),
+        ("bshd", (1000, 300), 8, 2, 4, 128, 128, {"layout": "bshd", "causal": True}),
+        ("d64", (1000, 300), 8, 2, 1, 64, 64, {}),
+        ("d256", (1000, 300), 8, 2, 2, 256, 256, {"causal": True}),
+        ("d40 dv24 (copies)", (1000, 300), 8, 2, 1, 40, 24, {}),
+        ("d128 dv64", (1000, 300), 8, 2, 1, 128, 64, {}),
+        ("d192 (tile 256)", (1000, 300), 8, 2, 1, 192, 192, {"sinks": True}),
+        ("splits=1 forced", (4097, 1000), 8, 2, 1, 128, 128, {"splits": 1}),
+        ("splits=13 forced", (4097, 1000), 8, 2, 1, 128, 128, {"splits": 13, "sinks": True}),
+        ("nan key", (1000, 300), 8, 2, 4, 128, 128, {"nan_key": 37, "causal": True}),
+    ]
+    for fmt, ps in (("dense", 0), ("cache", 0), ("paged", 16)):
+        for name, lens, hq, hkv, sq, d, dv, opts in features:
+            lens = (lens[0], lens[0]) if fmt == "dense" else lens
+            found.append(Case(f"{fmt} {name}", fmt, lens, hq, hkv, sq, d, dv, ps, opts))
+    return found
+
+
+class Built(NamedTuple):
+    args: tuple         # q, k, v (caller layout)
+    kwargs: dict        # attention options (seqlens_k, page_table, ...)
+    seqs: list          # per sequence: (k, v) bhsd (1, Hkv, L, D) of the keys it holds
+    splits: object
+
+
+def build(case: Case, device, gen) -> Built:
+    """The case's tensors: caches NaN past each length, pools NaN in unused pages, tables garbage past use."""
+    opts = dict(case.opts)
+    dtype = opts.pop("dtype", torch.bfloat16)
+    layout = opts.get("layout", "bhsd")
+    splits = opts.pop("splits", None)
+    nan_key = opts.pop("nan_key", None)
+    b = len(case.lengths)
+
+    def randn(*shape):
+        return torch.randn(shape, device=device, generator=gen).to(dtype)
+
+    def caller(t):  # bhsd -> the caller's tensor in the case's layout
+        return t.transpose(1, 2).contiguous() if layout == "bshd" else t
+
+    q = caller(randn(b, case.hq, case.sq, case.d))
+    kwargs = dict(opts)
+    seqs = []
+    if case.fmt in ("dense", "cache"):
+        cap = case.lengths[0] if case.fmt == "dense" else max(case.lengths) + 5
+        k, v = randn(b, case.hkv, cap, case.d), randn(b, case.hkv, cap, case.dv)
+        if nan_key is not None:
+            k[0, 0, nan_key, 3] = float("nan")
+        if case.fmt == "cache":
+            for i, n in enumerate(case.lengths):
+                k[i, :, n:], v[i, :, n:] = float("nan"), float("nan")
+            kwargs["seqlens_k"] = torch.tensor(case.lengths, dtype=torch.int32, device=device)
+        seqs = [(k[i:i + 1, :, :n], v[i:i + 1, :, :n]) for i, n in enumerate(case.lengths)]
+        k, v = caller(k), caller(v)
+    else:
+        ps = case.page_size
+        used = [-(-n // ps) for n in case.lengths]
+        num_pages = sum(used) + 3
+        perm = torch.randperm(num_pages, device="cpu", generator=torch.Generator().manual_seed(sum(case.lengths)))
+        k = torch.full((num_pages, ps, case.hkv, case.d), float("nan"), device=device, dtype=dtype)
+        v = torch.full((num_pages, ps, case.hkv, case.dv), float("nan"), device=device, dtype=dtype)
+        max_pages = max(used) + 2
+        garbage = torch.randint(-1000, 4 * num_pages + 1000, (b, max_pages), generator=torch.Generator().manual_seed(7))
+        table = garbage.to(torch.int32)
+        start = 0
+        for i, n in enumerate(case.lengths):
+            pages = perm[start:start + used[i]]
+            start += used[i]
+            table[i, : used[i]] = pages.to(torch.int32)
+            kr, vr = randn(1, case.hkv, n, case.d), randn(1, case.hkv, n, case.dv)
+            if nan_key is not None and i == 0:
+                kr[0, 0, nan_key, 3] = float("nan")
+            for j, page in enumerate(pages.tolist()):
+                rows = slice(j * ps, min((j + 1) * ps, n))
+                k[page, : rows.stop - rows.start] = kr[0, :, rows].transpose(0, 1)
+                v[page, : rows.stop - rows.start] = vr[0, :, rows].transpose(0, 1)
+            seqs.append((kr, vr))
+        kwargs["page_table"] = table.to(device)
+        kwargs["seqlens_k"] = torch.tensor(case.lengths, dtype=torch.int32, device=device)
+    if kwargs.pop("alibi", False):
+        kwargs["alibi_slopes"] = torch.rand(case.hq, device=device, generator=gen) * 0.5 + 0.01
+    sinks = kwargs.pop("sinks", None)
+    if sinks is True:
+        kwargs["sinks"] = torch.randn(case.hq, device=device, generator=gen) * 2
+    elif sinks is not None:
+        kwargs["sinks"] = torch.full((case.hq,), float(sinks), device=device)
+    return Built((q, k, v), kwargs, seqs, splits)
+
+
+def formula(p, xv, built: Built, compute_dtype):
+    """(out (B, Hq, Sq, Dv), lse (B, Hq, Sq)) of the formula, one sequence at a time."""
+    outs, lses = [], []
+    slopes = built.kwargs.get("alibi_slopes")
+    sinks = built.kwargs.get("sinks")
+    high = compute_dtype == torch.float64
+    for i, (k, v) in enumerate(built.seqs):
+        q = xv.q[i:i + 1]
+        if high:
+            q, k, v = q.double(), k.double(), v.double()
+        o, lse = attention_reference(
+            q, k, v, scale=p.scale, softcap=p.softcap,
+            alibi_slopes=None if slopes is None else (slopes.double() if high else slopes.float()),
+            window_left=p.window_left, window_right=p.window_right, offset=p.offset,
+            sinks=None if sinks is None else (sinks.double() if high else sinks.float()),
+            compute_dtype=compute_dtype)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def kernel_forward(p, xv, built: Built):
+    from attnx.backends.cuda import launch_decode
+
+    return launch_decode.forward(p, xv, splits=built.splits, poison=True)
+
+
+def stand_in_forward(p, xv, built: Built):
+    """--self-test: the float32 formula in place of the kernel (out in the inputs' dtype)."""
+    out, lse = formula(p, xv, built, torch.float32)
+    return out.to(xv.q.dtype), lse.float()
+
+
+def _compare(got, ref, lows, name) -> tuple[bool, str]:
+    """NaN exactly where the formula has NaN, -inf exactly where it has -inf, elsewhere within the bound."""
+    if got is None or tuple(got.shape) != tuple(ref.shape):
+        return False, f"{name} shape {None if got is None else tuple(got.shape)} != {tuple(ref.shape)} !"
+    got, ref = got.double(), ref.double()
+    nan_ok = bool(torch.equal(torch.isnan(got), torch.isnan(ref)))
+    inf_ok = bool(torch.equal(torch.isinf(got) & (got < 0), torch.isinf(ref) & (ref < 0)))
+    fin = torch.isfinite(ref)
+    fin_ok = bool(torch.isfinite(got[fin]).all())
+    err = max_err(got[fin], ref[fin]) if fin_ok else float("nan")
+    bound = 2 * max(max_err(lo.double()[fin], ref[fin]) for lo in lows) + 1e-3
+    ok = nan_ok and inf_ok and fin_ok and err <= bound
+    flags = ("" if nan_ok else " nan-mismatch") + ("" if inf_ok else " -inf-mismatch") + ("" if fin_ok else " non-finite")
+    return ok, f"{name} {err:.1e}/{bound:.1e}{flags}{'' if ok else ' !'}"
+
+
+def check_one(case: Case, device, gen, forward) -> tuple[bool, str]:
+    from attnx.autograd import backend_view
+    from attnx.problem import make_call
+
+    built = build(case, device, gen)
+    p, x = make_call(*built.args, grad_inputs=(), **built.kwargs)
+    if device == "cuda":
+        major, minor = torch.cuda.get_device_capability()
+        p = p._replace(arch=f"sm_{major}{minor}")
+    xv = backend_view(p, x)
+    out, lse = forward(p, xv, built)
+    ref = formula(p, xv, built, torch.float64)
+    lows = [formula(p, xv, built, cd) for cd in (xv.q.dtype, torch.float32)]
+    good_o, text_o = _compare(out, ref[0], [lo[0] for lo in lows], "out")
+    good_l, text_l = _compare(lse, ref[1], [lo[1] for lo in lows], "lse")
+    return good_o and good_l, f"{text_o}  {text_l}"
+
+
+def check(all_cases, forward, device, only=None) -> bool:
+    """Every case (whose name contains `only`), one numbered line each; False on any failure."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    todo = [c for c in all_cases if only is None or only in c.name]
+    failed = []
+    print(f"{'':4} {'#':>3} {'case':<38} {'fmt':<5} {'ps':>3} {'Hq':>3} {'Hkv':>3} {'Sq':>3} {'D':>4} {'Dv':>4} "
+          f"{'lengths':<22} max err / bound")
+    for n, case in enumerate(todo):
+        shown = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v) for k, v in case.opts.items()}
+        head = (f"{n:>3} {case.name:<38} {case.fmt:<5} {case.page_size:>3} {case.hq:>3} {case.hkv:>3} {case.sq:>3} "
+                f"{case.d:>4} {case.dv:>4} {str(case.lengths):<22}")
+        try:
+            good, text = check_one(case, device, gen, forward)
+            text += f"  {shown}" if shown else ""
+        except Exception as err:
+            good, text = False, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            traceback.print_exc()
+            if device == "cuda" and not context_alive():
+                print(f"BAD  {head} {text}\nCUDA context lost in case {n}: the remaining "
+                      f"{len(todo) - n - 1} cases are not run", flush=True)
+                for line in failed:
+                    print(line)
+                return False
+        line = f"{'ok ' if good else 'BAD'}  {head} {text}"
+        print(line, flush=True)
+        if not good:
+            failed.append(line)
+    print(f"{len(todo) - len(failed)} of {len(todo)} cases passed" + (", failures:" if failed else ""))
+    for line in failed:
+        print(line)
+    return not failed
+
+
+# -- time ---------------------------------------------------------------------------------------------
+def _paged_copy(k, v, page_size):
+    """The dense (B, Hkv, S, D) cache as a page pool in shuffled page order and its table."""
+    b, h, s, d = k.shape
+    pages = s // page_size
+    perm = torch.randperm(b * pages, device=k.device)
+    pool_k = torch.empty(b * pages, page_size, h, d, device=k.device, dtype=k.dtype)
+    pool_v = torch.empty_like(pool_k)
+    pool_k[perm] = k.reshape(b, h, pages, page_size, d).permute(0, 2, 3, 1, 4).reshape(b * pages, page_size, h, d)
+    pool_v[perm] = v.reshape(b, h, pages, page_size, d).permute(0, 2, 3, 1, 4).reshape(b * pages, page_size, h, d)
+    return pool_k, pool_v, perm.reshape(b, pages).to(torch.int32)
+
+
+def time_all(batches, lengths, max_gb: float) -> None:
+    """Llama-3-8B decode (32 q heads, 8 kv heads, d128, bf16, one new token): GB/s of K+V."""
+    import attnx
+    from attnx.autograd import backend_view
+    from attnx.backends.cuda import launch_decode
+    from attnx.problem import make_call
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    hq, hkv, d = 32, 8, 128
+    major, minor = torch.cuda.get_device_capability()
+    print(f"{'B':>3} {'Sk':>7} {'format':<8} {'kernel':<22} {'ms':>8} {'GB/s':>8} {'splits':>6}")
+    for b in batches:
+        for s in lengths:
+            gbytes = 2 * b * hkv * s * d * 2 / 1e9  # K + V read once
+            if gbytes > max_gb:
+                print(f"{b:>3} {s:>7} (skipped: {gbytes:.0f} GB of K+V > --max-gb {max_gb})", flush=True)
+                continue
+            q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+
+            def row(fmt, name, fn, splits=""):
+                ms = bench(fn)
+                print(f"{b:>3} {s:>7} {fmt:<8} {name:<22} {ms:8.3f} {gbytes / ms * 1e3:8.0f} {splits!s:>6}", flush=True)
+
+            for name, kind in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
+                def sdpa(kind=kind):
+                    with sdpa_kernel(kind):
+                        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                row("dense", name, sdpa)
+            for fmt in ("dense", "cache", "paged16", "paged1"):
+                kw = {}
+                kk, vv = k, v
+                if fmt == "cache":
+                    kw = dict(seqlens_k=lens)
+                elif fmt.startswith("paged"):
+                    kk, vv, table = _paged_copy(k, v, int(fmt[5:]))
+                    kw = dict(seqlens_k=lens, page_table=table)
+                p, x = make_call(q, kk, vv, grad_inputs=(), **kw)
+                p = p._replace(arch=f"sm_{major}{minor}")
+                xv = backend_view(p, x)
+                plan = launch_decode.prepare(p, xv, torch.cuda.get_device_properties(0).multi_processor_count)
+                row(fmt, "cuda decode", lambda: launch_decode.forward(p, xv), plan.splits)
+                row(fmt, "triton", lambda: attnx.attention(q, kk, vv, backend="triton", **kw))
+                del kk, vv
+            del q, k, v
+            torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=("check", "time"))
+    parser.add_argument("--only", default=None, help="check: only cases whose name contains this")
+    parser.add_argument("--self-test", action="store_true",
+                        help="check on the CPU with the float32 formula standing in for the kernel")
+    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--lengths", default="4096,32768,131072")
+    parser.add_argument("--max-gb", type=float, default=40.0, help="time: skip shapes with more K+V than this")
+    args = parser.parse_args(argv)
+    if args.what == "check":
+        if args.self_test:
+            return 0 if check(cases(), stand_in_forward, "cpu", args.only) else 1
+        return 0 if check(cases(), kernel_forward, "cuda", args.only) else 1
+    time_all(tuple(int(b) for b in args.batches.split(",")), tuple(int(s) for s in args.lengths.split(",")),
+             args.max_gb)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
