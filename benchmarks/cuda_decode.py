@@ -325,8 +325,8 @@ def time_all(batches, lengths, max_gb: float) -> None:
                 plan = launch_decode.prepare(p, xv, torch.cuda.get_device_properties(0).multi_processor_count)
                 row(fmt, "cuda decode", lambda: launch_decode.forward(p, xv), plan.splits)
                 row(fmt, "triton", lambda: attnx.attention(q, kk, vv, backend="triton", **kw))
-                del kk, vv
-            del q, k, v
+                kk = vv = None  # the pools go before the next format's
+            q = k = v = None
             torch.cuda.empty_cache()
 
 
