@@ -47,6 +47,8 @@ class Variant(NamedTuple):
     overlap: bool = False   # Hopper fwd: Q K^T of block j issued before P V of block j-1 completes
     pingpong: bool = False  # Hopper fwd: the two consumer warpgroups take turns at the tensor cores
     dq_bulk: bool = False   # Hopper bwd: dQ parts added by a writer warp's bulk reductions, not red.global
+    dq_ordered: bool = False  # Hopper bwd: dQ added per query block in a fixed order of key blocks (turn
+                              # counters): bitwise-deterministic dq (opt-in, not dispatched)
     atomic_dq: bool = True  # bwd: the dK pass adds dQ with fp32 atomics (False: the deterministic backward's
                             # dK/dV kernel, whose dQ is the bwd_dq pass)
 
@@ -79,6 +81,7 @@ class Variant(NamedTuple):
         if self.hopper_backward:
             del d["NUM_WARPS"]  # fixed by the kernel's warpgroup roles
             d["DQ_BULK"] = int(self.dq_bulk)
+            d["DQ_ORDERED"] = int(self.dq_ordered)
             d["SHARED_BYTES"] = self.shared_bytes()  # the kernel asserts its layout needs exactly this
         elif self.kernel == "bwd":
             d.update(DO_DV=int(self.do_dv), DO_DK=int(self.do_dk), DQ_ATOMIC=int(self.atomic_dq))
@@ -124,7 +127,8 @@ class Variant(NamedTuple):
         if self.kernel == "bwd" and not (self.do_dv and self.do_dk):
             flags += "+dv" if self.do_dv else "+dk"
         flags += "" if self.atomic_dq else " no-dq"
-        flags += (" wgmma" + ("+dqbulk" if self.dq_bulk else "")) if self.hopper_backward else ""
+        flags += (" wgmma" + ("+dqbulk" if self.dq_bulk else "") + ("+ordered" if self.dq_ordered else "")
+                  if self.hopper_backward else "")
         stages = f" s{self.stages}" if self.kernel in ("fwd", "bwd_dq", "decode") else ""
         stages += ("+overlap" if self.overlap else "") + ("+pingpong" if self.pingpong else "")
         tile = f"d{self.head_dim} {self.block_m}x{self.block_n} w{self.warps}{stages}"

@@ -28,12 +28,18 @@
 // Compile-time knobs (NVRTC -D): IS_BF16, HEAD_DIM (tile: 64 or 128), BLOCK_M (queries per step:
 // 64 or 128), BLOCK_N (keys per block, 128), SCORE_MOD, DQ_BULK (dQ parts staged in shared memory and
 // added by a writer warp of the producer warpgroup with bulk reductions, FlashAttention-3's way,
-// instead of red.global.add from the consumers), SHARED_BYTES (what the launcher reserves).
+// instead of red.global.add from the consumers), DQ_ORDERED (opt-in, with red only: the dQ additions
+// into each (batch, query head, query block) of dq_accum in one fixed order of key blocks, so dq is
+// the same bits on every run; see "Ordered dQ" below), SHARED_BYTES (what the launcher reserves).
 // Checked and timed on the H200 (2026-12-01): see backends/cuda/NOTES.md, "Hopper backward".
 #include "common/mask.cuh"
 #include "common/score_mod.cuh"
 #include "sm90/ptx.cuh"
 #include "sm90/wgmma_ops.cuh"
+
+#ifndef DQ_ORDERED
+#define DQ_ORDERED 0
+#endif
 
 namespace sm90_bwd {
 
@@ -49,6 +55,49 @@ constexpr int PRODUCER_REGS = 24;
 constexpr int CONSUMER_REGS = 240;  // 128 x 24 + 256 x 240 <= 64K registers
 constexpr int STEP_BARRIER = 1;     // named barriers: 1 both consumers (256); 2, 3 one consumer's epilogue
 constexpr int STORE_BARRIER = 2;
+// DQ_ORDERED: 4 both consumers (256) around one query block's turn; 5 (split by keys) consumer 0's
+// additions before consumer 1's. (An enum: namespace-scope constants here become symbols of the cubin.)
+enum : int { ORDER_BARRIER = 4, BATON_BARRIER = 5 };
+
+// ---- Ordered dQ (DQ_ORDERED) --------------------------------------------------------------------
+// FlashAttention-3's deterministic dQ: one int32 turn counter per (batch, query head, query block)
+// in global memory (zeroed by the launcher). The key blocks that add to query block m are contiguous,
+// [n_first(m), n_last(m)] (visibility is an interval of keys per query that moves with the query), and
+// they add in DESCENDING order: key block n waits until the counter equals n_last(m) - n, adds its
+// part with red.global.add, and increments it. Descending (FlashAttention-3's causal order) because
+// with a causal mask the diagonal block is the first to reach query block m in every thread block's
+// walk; ascending order would make key block n wait for key block n - 1 to walk the 128 / BM query
+// blocks that only it sees, at every step of the staircase (modelled: ~1.8x the unordered time).
+// Deadlock freedom: under DQ_ORDERED the grid runs each head's key blocks from the last to the first
+// (work_of), so every key block a thread block waits for (n + 1 .. n_last(m), same batch and kv head)
+// has a lower blockIdx and was launched no later: it is resident or done, and its own waits point at
+// still lower blockIdx, so the thread block of lowest blockIdx that is not done never waits on one
+// that cannot run (the waits form no cycle and end at one that waits on nothing). A thread block holds
+// nothing another one needs while it waits (it has already freed its Q/dO stage; K and V are its own).
+// Each dQ element has one writer per thread block except in the split by keys, where consumer 1 adds
+// after consumer 0 (a named barrier orders the two reductions: fp32 adds are applied in that order).
+// red rather than ld + add + st: the additions are fire-and-forget (one L2 round trip, in the release
+// fence, inside the turn instead of two) and need no registers for loaded values (d128 score-mod sits
+// at R237 of 240); the order fixes the bits either way.
+DEVI int load_acquire(const int* addr) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(addr) : "memory");
+  return v;
+}
+// One thread spins until the counter shows this key block's turn (back-off capped at 256 ns: a turn
+// usually comes within a step, ~3.5 us at d128).
+DEVI void wait_turn(const int* sem, int turn) {
+  u32 backoff = 32;
+  while (load_acquire(sem) != turn) {
+    asm volatile("nanosleep.u32 %0;\n" ::"r"(backoff));
+    backoff = backoff < 256 ? 2 * backoff : 256;
+  }
+}
+// After a barrier that follows every adding thread's reductions: the fence makes them (cumulatively,
+// through the barrier) visible at gpu scope before the next key block can see the increment.
+DEVI void pass_turn(int* sem) {
+  asm volatile("fence.sc.gpu;\nred.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem) : "memory");
+}
 
 // dQ = dS K split between the two consumers: BM = 128, by rows (each one 64-query dS^T panel,
 // N = HD); BM = 64, by columns where the head dim has two panels (each one 64-column K panel),
@@ -105,12 +154,20 @@ struct Work {
   int steps;             // m_count x group
 };
 
-template <int BM>
+// Key block of thread block `block` inside its (batch, kv head): DQ_ORDERED runs them from the last
+// to the first (the order of its dQ turns: a thread block only waits for ones launched before it).
+template <bool ORD>
+DEVI int key_block_of(int rank, int nblk) {
+  return ORD ? nblk - 1 - rank : rank;
+}
+
+template <int BM, bool ORD>
 DEVI Work work_of(const AttnParams& p, const Visibility& vis) {
   Work w;
   const int nblk = p.num_blocks;
   const int bhk = blockIdx.x / nblk;
-  const int nb = blockIdx.x - bhk * nblk;  // causal: the low key blocks, seen by most queries, first
+  // causal: the low key blocks, seen by most queries, first (DQ_ORDERED: last, see key_block_of)
+  const int nb = key_block_of<ORD>(blockIdx.x - bhk * nblk, nblk);
   w.b = bhk / p.heads_kv;
   w.hk = bhk - w.b * p.heads_kv;
   w.n0 = nb * BN;
@@ -365,9 +422,24 @@ DEVI void write_rows(const float (&acc)[HD / 2], float scale, u32 rows, int warp
     }
 }
 
-template <bool BF16, int HD, int BM, bool MOD, bool DQB>
+// This consumer's dQ part (rows of 64 queries x DQ_N columns, accumulator layout) added to dq_accum
+// with vector reductions; rows past Sq skipped.
+template <int DQ_N>
+DEVI void red_dq(const float (&dq)[DQ_N / 2], float* dq_head, int dq_row, int row0, int col0, int seqlen_q) {
+#pragma unroll
+  for (int c = 0; c < DQ_N / 8; ++c)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + half * 8;
+      const int col = col0 + c * 8;
+      if (row < seqlen_q)
+        red_add_v2(dq_head + (long long)row * dq_row + col, dq[4 * c + 2 * half], dq[4 * c + 2 * half + 1]);
+    }
+}
+
+template <bool BF16, int HD, int BM, bool MOD, bool DQB, bool ORD>
 DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32 base, const float* lse_s,
-                  const float* delta_s, const TmaMap* tdk, const TmaMap* tdv) {
+                  const float* delta_s, const TmaMap* tdk, const TmaMap* tdv, int* dq_sem) {
   using L = Layout<HD, BM, DQB>;
   using Split = DqSplit<HD, BM>;
   constexpr int DQ_N = Split::N;
@@ -470,15 +542,35 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
       if (lane == 0) mbar_arrive(L::dq_full(base));
     } else {
       float* dq_head = p.dq_accum + ((long long)w.b * p.heads_q + hq) * p.seqlen_q * p.dq_row;
-#pragma unroll
-      for (int c = 0; c < DQ_N / 8; ++c)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = m0 + dq_row0 + warp_in_group * 16 + g + half * 8;
-          const int col = dq_col0 + c * 8 + 2 * t4;
-          if (row < vis.seqlen_q) red_add_v2(dq_head + (long long)row * p.dq_row + col, dq[4 * c + 2 * half],
-                                             dq[4 * c + 2 * half + 1]);
+      if constexpr (ORD) {
+        const int row0 = m0 + dq_row0 + warp_in_group * 16 + g, col0 = dq_col0 + 2 * t4;
+        // this key block's turn on query block m0 / BM: after the key blocks above it that see the block
+        int* sem = dq_sem + ((long long)w.b * p.heads_q + hq) * ((p.seqlen_q + BM - 1) / BM) + m0 / BM;
+        int k_lo, k_hi;
+        keys_seen(vis, m0, min(m0 + BM, vis.seqlen_q) - 1, &k_lo, &k_hi);
+        const int turn = k_hi / BN - w.n0 / BN;  // uniform: skip the wait (and its barrier) when first
+        if (turn > 0) {
+          if (threadIdx.x == 128) wait_turn(sem, turn);
+          named_sync(ORDER_BARRIER, 256);  // acquire (one thread) + barrier: every adder after the turn
         }
+        if constexpr (Split::HOW == Split::BY_KEYS)
+          if (consumer == 1) named_sync(BATON_BARRIER, 256);  // both add to the same elements: 0 first
+        red_dq<DQ_N>(dq, dq_head, p.dq_row, row0, col0, vis.seqlen_q);
+        if constexpr (Split::HOW == Split::BY_KEYS)
+          if (consumer == 0) named_arrive(BATON_BARRIER, 256);
+        named_sync(ORDER_BARRIER, 256);  // every reduction of this block issued before the release
+        if (threadIdx.x == 128) pass_turn(sem);
+      } else {  // (the loop as it was, not red_dq: the default build's code stays byte-identical)
+#pragma unroll
+        for (int c = 0; c < DQ_N / 8; ++c)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int row = m0 + dq_row0 + warp_in_group * 16 + g + half * 8;
+            const int col = dq_col0 + c * 8 + 2 * t4;
+            if (row < vis.seqlen_q) red_add_v2(dq_head + (long long)row * p.dq_row + col, dq[4 * c + 2 * half],
+                                               dq[4 * c + 2 * half + 1]);
+          }
+      }
     }
   }
 
@@ -493,7 +585,7 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
     // the block's coordinates read again (volatile): held across the loop they cost a spill slot
     u32 block;
     asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(block));
-    const int bhk = block / p.num_blocks, n0 = (block - bhk * p.num_blocks) * BN;
+    const int bhk = block / p.num_blocks, n0 = key_block_of<ORD>(block - bhk * p.num_blocks, p.num_blocks) * BN;
     const int b = bhk / p.heads_kv, hk = bhk - b * p.heads_kv;
 #pragma unroll
     for (int pn = 0; pn < HD / 64; ++pn) {
@@ -505,9 +597,9 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
   }
 }
 
-template <bool BF16, int HD, int BM, bool MOD, bool DQB>
+template <bool BF16, int HD, int BM, bool MOD, bool DQB, bool ORD>
 DEVI void attention_backward(const AttnParams& p, const TmaMap* tq, const TmaMap* tk, const TmaMap* tv,
-                             const TmaMap* tdo, const TmaMap* tdk, const TmaMap* tdv) {
+                             const TmaMap* tdo, const TmaMap* tdk, const TmaMap* tdv, int* dq_sem) {
   using L = Layout<HD, BM, DQB>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const u32 raw = smem_u32(smem_raw);
@@ -517,7 +609,7 @@ DEVI void attention_backward(const AttnParams& p, const TmaMap* tq, const TmaMap
   float* delta_s = reinterpret_cast<float*>(aligned + L::DELTA);
 
   const Visibility vis = visibility(p);
-  const Work w = work_of<BM>(p, vis);
+  const Work w = work_of<BM, ORD>(p, vis);
   if (threadIdx.x == 0) {
     mbar_init(L::kv_full(base), 1);
     for (int s = 0; s < 2; ++s) {
@@ -537,19 +629,28 @@ DEVI void attention_backward(const AttnParams& p, const TmaMap* tq, const TmaMap
       if (threadIdx.x >= 32 && threadIdx.x < 64 && w.steps > 0) write_dq<HD, BM>(p, w, base);
   } else {
     regs_alloc<CONSUMER_REGS>();
-    consume<BF16, HD, BM, MOD, DQB>(p, w, vis, base, lse_s, delta_s, tdk, tdv);
+    consume<BF16, HD, BM, MOD, DQB, ORD>(p, w, vis, base, lse_s, delta_s, tdk, tdv, dq_sem);
   }
 }
 
 }  // namespace sm90_bwd
 
+// DQ_ORDERED adds one argument: the turn counters, int32 (B, Hq, ceil(Sq / BLOCK_M)), zeroed.
 extern "C" __global__ void __launch_bounds__(sm90_bwd::THREADS, 1)
     attnx_bwd_wgmma(const AttnParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
                     const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tdo,
-                    const __grid_constant__ TmaMap tdk, const __grid_constant__ TmaMap tdv) {
+                    const __grid_constant__ TmaMap tdk, const __grid_constant__ TmaMap tdv
+#if DQ_ORDERED
+                    , int* dq_sem
+#endif
+    ) {
   static_assert(BLOCK_N == sm90_bwd::BN, "the kernel's roles fix 128 keys per block");
   static_assert(sm90_bwd::Layout<HEAD_DIM, BLOCK_M, DQ_BULK != 0>::BYTES + 1024 == SHARED_BYTES,
                 "variants.py's shared_bytes() disagrees with the kernel's layout");
-  sm90_bwd::attention_backward<IS_BF16 != 0, HEAD_DIM, BLOCK_M, SCORE_MOD != 0, DQ_BULK != 0>(p, &tq, &tk, &tv, &tdo,
-                                                                                            &tdk, &tdv);
+  static_assert(!(DQ_ORDERED && DQ_BULK), "ordered dQ is written for the consumers' red path only");
+#if !DQ_ORDERED
+  int* const dq_sem = nullptr;
+#endif
+  sm90_bwd::attention_backward<IS_BF16 != 0, HEAD_DIM, BLOCK_M, SCORE_MOD != 0, DQ_BULK != 0, DQ_ORDERED != 0>(
+      p, &tq, &tk, &tv, &tdo, &tdk, &tdv, dq_sem);
 }
