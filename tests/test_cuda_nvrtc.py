@@ -160,6 +160,27 @@ def test_hopper_backward_dq_bulk_knob_compiles():
         assert ok and size > 0, log[:2000]
 
 
+def test_hopper_backward_dq_ordered_knob_compiles():
+    """The opt-in ordered dQ (turn counters per query block: bitwise-deterministic dq) that
+    benchmarks/hopper_backward.py checks and times as `--configs ordered`: it builds for sm_90a for every tile
+    (the split by keys, whose two consumers take turns on the same dQ elements, only in the score-mod tile),
+    is never requested by the launcher's tables, and needs the red path (not DQ_BULK)."""
+    reason = _nvrtc_available()
+    if reason:
+        pytest.skip(reason)
+    table = [v for v in variants.requestable(families.HOPPER, (9, 0)) if v.hopper_backward]
+    assert table and not any(v.dq_ordered for v in table)
+    assert all("-DDQ_ORDERED=0" in v.defines() for v in table)
+    todo = [v._replace(dq_ordered=True) for v in table if v.bf16]
+    assert {v.block_m for v in todo if v.score_mod and v.head_dim == 64} == {64}  # the split by keys
+    for v in todo:
+        assert "-DDQ_ORDERED=1" in v.defines() and "+ordered" in v.label()
+        ok, log, size = nvrtc_check.nvrtc_compile(v, "sm_90a")
+        assert ok and size > 0, log[:2000]
+    ok, log, _ = nvrtc_check.nvrtc_compile(todo[0]._replace(dq_bulk=True), "sm_90a")
+    assert not ok and "ordered dQ" in log
+
+
 @pytest.mark.parametrize("head_dim,head_dim_v,deterministic,hopper", [
     (128, 128, False, True), (64, 64, False, True), (40, 24, False, True), (128, 64, False, True),
     (192, 192, False, False), (256, 256, False, False), (128, 128, True, False)])

@@ -7,11 +7,15 @@ q, k, v and dout through TMA tensor maps (both layouts in place, GQA heads by co
 past the sequence ends and head dims) and writes dk, dv with clipped TMA stores; dq is added in
 float32 to `dq_accum` and converted once here, as in the Ampere launcher. delta and the sinks'
 gradient are the same torch ops as there.
+A variant with `dq_ordered` (opt-in, not dispatched; benchmarks/hopper_backward.py `--configs ordered`)
+adds dQ into each query block in a fixed order of key blocks, so dq is the same bits on every run; it
+takes one more kernel argument, the zeroed int32 turn counters (B, Hq, ceil(Sq / BM)) allocated here.
 """
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from attnx.errors import InvalidArgumentError
@@ -64,7 +68,13 @@ def backward(p, x: Inputs, out, lse, dout, variant: Variant | None = None, *, po
                        num_blocks=blocks_per_head, dq_row=variant.head_dim, **_common(p, b.x.replace(sinks=None)))
     maps = (tensor_map(b.q, variant.block_m), tensor_map(b.k, variant.block_n), tensor_map(b.v, variant.block_n),
             tensor_map(b.dout, variant.block_m), tensor_map(b.dk, STORE_ROWS), tensor_map(b.dv, STORE_ROWS))
+    extra = ()
+    if variant.dq_ordered:
+        # one turn counter per (batch, query head, query block), counting the key blocks that added to it
+        turns = torch.zeros(p.batch * p.heads_q * math.ceil(p.seqlen_q / variant.block_m), device=b.q.device,
+                            dtype=torch.int32)
+        extra = (np.uint64(turns.data_ptr()),)
     if grid > 0:
         kernel = get_kernel(variant, nvrtc_arch(p.capability), device_index)
-        _launch(kernel, grid, variant.threads, variant.shared_bytes(), (args, *maps), device_index)
+        _launch(kernel, grid, variant.threads, variant.shared_bytes(), (args, *maps, *extra), device_index)
     return backward_grads(p, b, lse, dq_accum)
