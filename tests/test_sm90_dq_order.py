@@ -1,0 +1,174 @@
+"""CI (CPU): a model of the ordered dQ of the Hopper backward (kernels/sm90/fa_bwd.cu, DQ_ORDERED).
+
+The kernel's index formulas are ported here (`queries_seeing`/`keys_seen` of common/mask.cuh, `work_of`,
+`key_block_of` and the turn of a key block on a query block) and checked against brute force over the
+visibility rule for causal, window, offset, GQA and ragged lengths: the key blocks that add to a query
+block are exactly those whose walk visits it, they are contiguous, each one's turn is the number of
+contributors above it, and every thread block it waits for has a lower blockIdx. Then the protocol
+itself runs under random schedules with few resident thread blocks (in-order dispatch): it never
+deadlocks, and each query block sees its additions in the same order on every schedule. The same
+model with the key blocks in ascending grid order deadlocks (the check can fail).
+"""
+import random
+
+import numpy as np
+import pytest
+
+BN = 128
+UNBOUNDED = 1 << 30  # attnx.limits.UNBOUNDED_WINDOW
+
+
+def cdiv0(a, b):
+    """C's integer division (toward zero)."""
+    return int(a / b) if a < 0 else a // b
+
+
+class Vis:
+    def __init__(self, sq, sk, offset, left, right):
+        self.sq, self.sk, self.offset, self.left, self.right = sq, sk, offset, left, right
+
+    def queries_seeing(self, key_first, key_last):
+        return max(0, key_first - self.right - self.offset), min(self.sq - 1, key_last + self.left - self.offset)
+
+    def keys_seen(self, row_first, row_last):
+        return max(0, row_first + self.offset - self.left), min(self.sk - 1, row_last + self.offset + self.right)
+
+    def visible(self):
+        """(Sq, Sk) bool: query i sees key j."""
+        pos = np.arange(self.sq)[:, None] + self.offset
+        j = np.arange(self.sk)[None, :]
+        return (j >= pos - self.left) & (j <= pos + self.right)
+
+
+def key_block_of(rank, nblk, ordered=True):
+    return nblk - 1 - rank if ordered else rank
+
+
+def work_of(vis, bm, nblk, block, ordered=True):
+    """(n, m_first, m_count) of thread block `block` inside its (batch, kv head), as the kernel's work_of."""
+    n = key_block_of(block % nblk, nblk, ordered)
+    n0 = n * BN
+    q_lo, q_hi = vis.queries_seeing(n0, min(n0 + BN, vis.sk) - 1)
+    m_first = cdiv0(q_lo, bm)
+    m_count = cdiv0(q_hi, bm) - m_first + 1 if q_hi >= q_lo else 0
+    return n, m_first, m_count
+
+
+def turn_of(vis, bm, n, m):
+    """The counter value key block n waits for on query block m (kernel: k_hi / BN - n0 / BN)."""
+    m0 = m * bm
+    _, k_hi = vis.keys_seen(m0, min(m0 + bm, vis.sq) - 1)
+    return cdiv0(k_hi, BN) - n
+
+
+def random_problem(rng):
+    sq, sk = rng.choice([1, 2, 63, 64, 65, 127, 128, 129, 200, 333, 520]), rng.choice([1, 5, 127, 128, 129, 300, 700])
+    kind = rng.choice(["full", "causal", "window", "window+offset", "causal+offset"])
+    offset = sk - sq  # bottom-right
+    left, right = UNBOUNDED, UNBOUNDED
+    if "causal" in kind:
+        right = 0
+    if "window" in kind:
+        left, right = rng.choice([0, 1, 17, 64, 200]), rng.choice([0, 3, 64, 129])
+    if "offset" in kind:
+        offset = rng.randint(-sq - 10, sk + 10)
+    return Vis(sq, sk, offset, left, right), rng.choice([64, 128])
+
+
+def check_formulas(vis, bm):
+    nblk = -(-vis.sk // BN)
+    mblk = -(-vis.sq // bm)
+    seen = vis.visible()
+    # brute force: query block m and key block n share a visible pair
+    contrib = np.zeros((mblk, nblk), bool)
+    for m in range(mblk):
+        for n in range(nblk):
+            contrib[m, n] = seen[m * bm:(m + 1) * bm, n * BN:(n + 1) * BN].any()
+    walks = {}
+    for block in range(nblk):
+        n, m_first, m_count = work_of(vis, bm, nblk, block)
+        walks[n] = (block, set(range(m_first, m_first + m_count)))
+    assert sorted(walks) == list(range(nblk))  # the reversed grid still covers every key block once
+    for m in range(mblk):
+        visiting = [n for n in range(nblk) if m in walks[n][1]]
+        assert visiting == [n for n in range(nblk) if contrib[m, n]]  # the walks match the visibility rule
+        if not visiting:
+            continue
+        assert visiting == list(range(visiting[0], visiting[-1] + 1))  # contiguous
+        for n in visiting:
+            turn = turn_of(vis, bm, n, m)
+            above = [x for x in visiting if x > n]
+            assert turn == len(above)
+            # everything n waits for was launched before it (lower blockIdx)
+            assert all(walks[x][0] < walks[n][0] for x in above)
+
+
+def run_protocol(vis, bm, group, resident, rng, ordered=True, max_ticks=200000):
+    """Thread blocks of one (batch, kv head) dispatched in blockIdx order into `resident` slots; each tick a
+    random resident one advances one step if its turn has come. Returns the order of additions per (hq, m),
+    or None on a deadlock."""
+    nblk = -(-vis.sk // BN)
+    counters, order = {}, {}
+    pending = list(range(nblk))  # blockIdx order
+    running = {}  # block -> [steps, position]
+    for tick in range(max_ticks):
+        while pending and len(running) < resident:
+            block = pending.pop(0)
+            n, m_first, m_count = work_of(vis, bm, nblk, block, ordered)
+            steps = [(h, m_first + i) for h in range(group) for i in range(m_count)]
+            running[block] = [n, steps, 0]
+        if not running:
+            return order
+        ready = [b for b, (n, steps, i) in running.items()
+                 if i == len(steps) or counters.get(steps[i], 0) == turn_of(vis, bm, n, steps[i][1])]
+        if not ready:
+            return None  # every resident block waits: deadlock
+        block = rng.choice(ready)
+        n, steps, i = running[block]
+        if i == len(steps):
+            del running[block]
+            continue
+        counters[steps[i]] = counters.get(steps[i], 0) + 1
+        order.setdefault(steps[i], []).append(n)
+        running[block][2] += 1
+    raise AssertionError("no progress limit reached")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_turns_match_brute_force(seed):
+    rng = random.Random(seed)
+    for _ in range(40):
+        vis, bm = random_problem(rng)
+        check_formulas(vis, bm)
+
+
+def test_turns_on_named_shapes():
+    for vis, bm in [(Vis(1000, 1000, 0, UNBOUNDED, 0), 64), (Vis(1000, 300, -3, UNBOUNDED, 0), 64),
+                    (Vis(100, 400, 0, UNBOUNDED, 0), 128), (Vis(300, 1000, 400, 64, 64), 64),
+                    (Vis(1000, 1000, 0, 100, 20), 128), (Vis(1, 4096, 4095, UNBOUNDED, 0), 64),
+                    (Vis(77, 1000, 923, UNBOUNDED, UNBOUNDED), 64)]:
+        check_formulas(vis, bm)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_protocol_never_deadlocks_and_orders_each_query_block(seed):
+    rng = random.Random(100 + seed)
+    for _ in range(12):
+        vis, bm = random_problem(rng)
+        group = rng.choice([1, 2, 3])
+        first = None
+        for resident in (1, 2, 3, 8):
+            order = run_protocol(vis, bm, group, resident, rng)
+            assert order is not None, "deadlock"
+            for key, ns in order.items():
+                assert ns == sorted(ns, reverse=True)  # descending key blocks, each once
+                assert len(set(ns)) == len(ns)
+            first = order if first is None else first
+            assert order == first  # the same order of additions on every schedule
+
+
+def test_model_catches_a_deadlock():
+    """Key blocks in ascending grid order with the descending turns: the first resident block waits for
+    one that is never launched (the reason the kernel reverses the grid under DQ_ORDERED)."""
+    vis = Vis(1000, 1000, 0, UNBOUNDED, 0)
+    assert run_protocol(vis, 64, 1, 2, random.Random(0), ordered=False) is None
