@@ -89,6 +89,9 @@ def cases() -> list:
         ("splits=13 forced", (4097, 1000), 8, 2, 1, 128, 128, {"splits": 13, "sinks": True}),
         ("nan key", (1000, 300), 8, 2, 4, 128, 128, {"nan_key": 37, "causal": True}),
     ]
+    for fmt, ps in (("cache", 0), ("paged", 1), ("paged", 16), ("paged", 256)):
+        found.append(Case(f"{fmt} bad index values", fmt, (1000, 300, 40), 8, 2, 1, 128, 128, ps,
+                          {"bad_index": True}))
     for fmt, ps in (("dense", 0), ("cache", 0), ("paged", 16)):
         for name, lens, hq, hkv, sq, d, dv, opts in features:
             lens = (lens[0], lens[0]) if fmt == "dense" else lens
@@ -104,13 +107,18 @@ class Built(NamedTuple):
 
 
 def build(case: Case, device, gen) -> Built:
-    """The case's tensors: caches NaN past each length, pools NaN in unused pages, tables garbage past use."""
+    """The case's tensors: caches NaN past each length, pools NaN in unused pages, tables garbage past use.
+    `bad_index`: one used page entry negative and one past the pool, and lengths -3 and 10**6 (caches are
+    then filled with numbers, not NaN): the kernels clamp them (docs/semantics.md: wrong numbers, never
+    a read outside the buffers) and the formula reads the keys through the same clamps."""
     opts = dict(case.opts)
     dtype = opts.pop("dtype", torch.bfloat16)
     layout = opts.get("layout", "bhsd")
     splits = opts.pop("splits", None)
     nan_key = opts.pop("nan_key", None)
+    bad = opts.pop("bad_index", False)
     b = len(case.lengths)
+    lengths = torch.tensor(case.lengths, dtype=torch.int32)
 
     def randn(*shape):
         return torch.randn(shape, device=device, generator=gen).to(dtype)
@@ -120,28 +128,31 @@ def build(case: Case, device, gen) -> Built:
 
     q = caller(randn(b, case.hq, case.sq, case.d))
     kwargs = dict(opts)
-    seqs = []
     if case.fmt in ("dense", "cache"):
         cap = case.lengths[0] if case.fmt == "dense" else max(case.lengths) + 5
         k, v = randn(b, case.hkv, cap, case.d), randn(b, case.hkv, cap, case.dv)
         if nan_key is not None:
             k[0, 0, nan_key, 3] = float("nan")
-        if case.fmt == "cache":
+        if case.fmt == "cache" and not bad:
             for i, n in enumerate(case.lengths):
                 k[i, :, n:], v[i, :, n:] = float("nan"), float("nan")
-            kwargs["seqlens_k"] = torch.tensor(case.lengths, dtype=torch.int32, device=device)
-        seqs = [(k[i:i + 1, :, :n], v[i:i + 1, :, :n]) for i, n in enumerate(case.lengths)]
+        if bad:
+            lengths[0], lengths[-1] = -3, 10 ** 6
+        used = lengths.clamp(0, cap)
+        seqs = [(k[i:i + 1, :, :n], v[i:i + 1, :, :n]) for i, n in enumerate(used.tolist())]
+        if case.fmt == "cache":
+            kwargs["seqlens_k"] = lengths.to(device)
         k, v = caller(k), caller(v)
     else:
         ps = case.page_size
         used = [-(-n // ps) for n in case.lengths]
         num_pages = sum(used) + 3
-        perm = torch.randperm(num_pages, device="cpu", generator=torch.Generator().manual_seed(sum(case.lengths)))
+        perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(sum(case.lengths)))
         k = torch.full((num_pages, ps, case.hkv, case.d), float("nan"), device=device, dtype=dtype)
         v = torch.full((num_pages, ps, case.hkv, case.dv), float("nan"), device=device, dtype=dtype)
         max_pages = max(used) + 2
-        garbage = torch.randint(-1000, 4 * num_pages + 1000, (b, max_pages), generator=torch.Generator().manual_seed(7))
-        table = garbage.to(torch.int32)
+        table = torch.randint(-1000, 4 * num_pages + 1000, (b, max_pages),
+                              generator=torch.Generator().manual_seed(7)).to(torch.int32)
         start = 0
         for i, n in enumerate(case.lengths):
             pages = perm[start:start + used[i]]
@@ -154,9 +165,18 @@ def build(case: Case, device, gen) -> Built:
                 rows = slice(j * ps, min((j + 1) * ps, n))
                 k[page, : rows.stop - rows.start] = kr[0, :, rows].transpose(0, 1)
                 v[page, : rows.stop - rows.start] = vr[0, :, rows].transpose(0, 1)
-            seqs.append((kr, vr))
+        if bad:
+            table[0, 0], table[-1, min(1, max_pages - 1)] = -7, num_pages + 100
+            lengths[0], lengths[-1] = -3, 10 ** 6
+        # the keys as the kernels read them: lengths and page entries clamped
+        seqs = []
+        for i, n in enumerate(lengths.clamp(0, max_pages * ps).tolist()):
+            j = torch.arange(n)
+            pages = table[i].long()[j // ps].clamp(0, num_pages - 1).to(device)
+            rows = (j % ps).to(device)
+            seqs.append((k[pages, rows].permute(1, 0, 2)[None], v[pages, rows].permute(1, 0, 2)[None]))
         kwargs["page_table"] = table.to(device)
-        kwargs["seqlens_k"] = torch.tensor(case.lengths, dtype=torch.int32, device=device)
+        kwargs["seqlens_k"] = lengths.to(device)
     if kwargs.pop("alibi", False):
         kwargs["alibi_slopes"] = torch.rand(case.hq, device=device, generator=gen) * 0.5 + 0.01
     sinks = kwargs.pop("sinks", None)
@@ -267,6 +287,129 @@ def check(all_cases, forward, device, only=None) -> bool:
     return not failed
 
 
+# -- emulation: the kernels' index arithmetic in torch, on the record the launcher packs -------------------
+def _storage(t: torch.Tensor) -> torch.Tensor:
+    """Every element from `t`'s first to the end of its storage, flat: what a kernel may address from its
+    pointer. Indexing past it raises, so an out-of-bounds read in the emulation is an error, not a value."""
+    n = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), (n,), (1,))
+
+
+def emulate(plan):
+    """(out_k, lse) as fa_decode.cu computes them from `plan` (launch_decode.prepare): the same blocks,
+    rows, splits, warp key blocks, clamped lengths and page entries, per-warp softmax, warp merge and
+    combine, in float32. Reads memory only through the record's pointers, strides and sizes."""
+    r = {name: plan.args[name].item() for name in plan.args.dtype.names}
+    by_ptr = {t.data_ptr(): t for t in plan.keep}
+    mem = {name: _storage(by_ptr[r[name]]) for name in ("q", "k", "v", "seqlens_k", "page_table", "alibi", "sinks")
+           if r[name]}
+    inf = float("inf")
+    log2e = 1.4426950408889634
+    nw, bn = plan.variant.warps, plan.variant.block_n
+    dv, d = r["head_dim_v"], r["head_dim"]
+    sq, group = r["seqlen_q"], r["group"]
+    programs = r["batch"] * r["heads_kv"] * r["row_chunks"]
+    rows_out = torch.full((r["splits"], r["rows"], dv), float("nan"))
+    lse_out = torch.full((r["splits"], r["rows"]), float("nan"))
+    ar = torch.arange
+    for blk in range(plan.grid):
+        split, prog = divmod(blk, programs)
+        bh, chunk = divmod(prog, r["row_chunks"])
+        b, hk = divmod(bh, r["heads_kv"])
+        if "page_table" in mem and r["num_pages"] <= 0:
+            sk = 0
+        elif "seqlens_k" in mem:
+            sk = min(max(int(mem["seqlens_k"][b]), 0), r["capacity"])
+        else:
+            sk = r["capacity"]
+        offset = sk - sq if r["align_br"] else r["key_offset"]
+        r0 = chunk * 16
+        r1 = min(r0 + 16, group * sq) - 1
+        i_lo, i_hi = (r0 % sq, r1 % sq) if r0 // sq == r1 // sq else (0, sq - 1)
+        key_lo = max(0, i_lo + offset - r["window_left"], split * r["split_keys"])
+        key_hi = min(sk - 1, i_hi + offset + r["window_right"], split * r["split_keys"] + r["split_keys"] - 1)
+        grs = ar(r0, r1 + 1)
+        heads, qi = hk * group + grs // sq, grs % sq
+        qoff = b * r["q_bs"] + heads * r["q_hs"] + qi * r["q_rs"]
+        q = mem["q"][qoff[:, None] + ar(d)].float()  # (rows, d)
+        parts = []
+        for w in range(nw):
+            first = key_lo // bn + w
+            last = key_hi // bn if key_hi >= key_lo else key_lo // bn - 1
+            blocks = list(range(first, last + 1, nw))
+            keys = (torch.tensor(blocks, dtype=torch.long)[:, None] * bn + ar(bn)).reshape(-1)
+            live = keys < sk
+            if "page_table" in mem:
+                kl = keys[live]
+                idx = kl // r["page_size"]
+                page = mem["page_table"][b * r["pt_bs"] + idx].long().clamp(0, r["num_pages"] - 1)
+                prow = kl - idx * r["page_size"]
+                koff, voff = page * r["k_bs"] + prow * r["k_rs"], page * r["v_bs"] + prow * r["v_rs"]
+                kbase, vbase = hk * r["k_hs"], hk * r["v_hs"]
+            else:
+                koff, voff = keys[live] * r["k_rs"], keys[live] * r["v_rs"]
+                kbase, vbase = b * r["k_bs"] + hk * r["k_hs"], b * r["v_bs"] + hk * r["v_hs"]
+            kt = torch.zeros(len(keys), d)
+            vt = torch.zeros(len(keys), dv)
+            kt[live] = mem["k"][kbase + koff[:, None] + ar(d)].float()
+            vt[live] = mem["v"][vbase + voff[:, None] + ar(dv)].float()
+            s = q @ kt.T * r["scale"]
+            if r["softcap"] > 0:
+                s = r["softcap"] * torch.tanh(s * r["softcap_inv"])
+            if "alibi" in mem:
+                slope = mem["alibi"][b * r["alibi_bs"] + heads * r["alibi_hs"]].float()
+                s = s - slope[:, None] * (qi[:, None] + offset - keys[None, :]).abs().float()
+            pos = qi[:, None] + offset
+            seen = (keys[None, :] < sk) & (keys[None, :] >= pos - r["window_left"]) & \
+                (keys[None, :] <= pos + r["window_right"])
+            s = torch.where(seen, s * log2e, torch.tensor(-inf))
+            m = torch.where(s.isnan(), torch.tensor(-inf), s).amax(1) if s.shape[1] else torch.full((len(grs),), -inf)
+            shift = torch.where(m == -inf, torch.zeros_like(m), m)
+            pr = torch.exp2(s - shift[:, None])
+            parts.append((m, pr.sum(1), pr @ vt))
+        top = torch.stack([m for m, _, _ in parts]).amax(0)
+        shift = torch.where(top == -inf, torch.zeros_like(top), top)
+        wts = [torch.exp2(m - shift) for m, _, _ in parts]
+        total = sum(wt * l for wt, (_, l, _) in zip(wts, parts))
+        acc = sum(wt[:, None] * o for wt, (_, _, o) in zip(wts, parts))
+        grow = (b * r["heads_q"] + heads) * sq + qi
+        sink = mem["sinks"][heads].float() * log2e if (r["splits"] == 1 and "sinks" in mem) else \
+            torch.full_like(total, -inf)
+        topk = torch.maximum(shift, sink)
+        keep = torch.exp2(shift - topk)
+        full = total * keep + torch.exp2(sink - topk)
+        empty = total == 0
+        rows_out[split, grow] = torch.where(empty[:, None], torch.zeros_like(acc), acc * (keep / full)[:, None])
+        lse_out[split, grow] = torch.where(empty, sink / log2e, (topk + torch.log2(full)) / log2e)
+    if r["splits"] == 1:
+        out, lse = rows_out[0], lse_out[0]
+    else:  # the combine: the splits' parts and the sink, as attnx.merge
+        l2 = lse_out * log2e
+        sink = (mem["sinks"].float()[: r["heads_q"]] * log2e).repeat_interleave(sq).repeat(r["batch"]) \
+            if "sinks" in mem else torch.full((r["rows"],), -inf)
+        allp = torch.cat([l2, sink[None]])
+        top = torch.where(allp.isnan(), torch.tensor(-inf), allp).amax(0)
+        shift = torch.where(top == -inf, torch.zeros_like(top), top)
+        total = torch.exp2(allp - shift).sum(0)
+        seen = ~(total == 0)
+        lse2 = torch.where(seen, shift + torch.log2(total), torch.tensor(-inf))
+        base = torch.where(seen, lse2, torch.zeros_like(lse2))
+        out = (torch.exp2(l2 - base)[:, :, None] * rows_out).sum(0)
+        lse = lse2 / log2e
+    b_, hq_ = r["batch"], r["heads_q"]
+    return out.reshape(b_, hq_, sq, dv), lse.reshape(b_, hq_, sq)
+
+
+def emulated_forward(p, xv, built: Built, sm_count: int = 132):
+    """--emulate: the launcher's host side (`prepare`, as for an H200) and the kernels' arithmetic emulated."""
+    from attnx.backends.cuda import launch_decode
+
+    plan = launch_decode.prepare(p._replace(device_type="cuda", vendor="nvidia", arch="sm_90"), xv, sm_count,
+                                 splits=built.splits)
+    out, lse = emulate(plan)
+    return out[..., : p.head_dim_v].to(xv.q.dtype), lse
+
+
 # -- time ---------------------------------------------------------------------------------------------
 def _paged_copy(k, v, page_size):
     """The dense (B, Hkv, S, D) cache as a page pool in shuffled page order and its table."""
@@ -336,13 +479,16 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default=None, help="check: only cases whose name contains this")
     parser.add_argument("--self-test", action="store_true",
                         help="check on the CPU with the float32 formula standing in for the kernel")
+    parser.add_argument("--emulate", action="store_true",
+                        help="check on the CPU: the launcher's host side and the kernels' index arithmetic emulated")
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--lengths", default="4096,32768,131072")
     parser.add_argument("--max-gb", type=float, default=40.0, help="time: skip shapes with more K+V than this")
     args = parser.parse_args(argv)
     if args.what == "check":
-        if args.self_test:
-            return 0 if check(cases(), stand_in_forward, "cpu", args.only) else 1
+        if args.self_test or args.emulate:
+            forward = emulated_forward if args.emulate else stand_in_forward
+            return 0 if check(cases(), forward, "cpu", args.only) else 1
         return 0 if check(cases(), kernel_forward, "cuda", args.only) else 1
     time_all(tuple(int(b) for b in args.batches.split(",")), tuple(int(s) for s in args.lengths.split(",")),
              args.max_gb)
