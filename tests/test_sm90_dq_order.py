@@ -7,7 +7,8 @@ block are exactly those whose walk visits it, they are contiguous, each one's tu
 contributors above it, and every thread block it waits for has a lower blockIdx. Then the protocol
 itself runs under random schedules with few resident thread blocks (in-order dispatch): it never
 deadlocks, and each query block sees its additions in the same order on every schedule. The same
-model with the key blocks in ascending grid order deadlocks (the check can fail).
+model with the key blocks in ascending grid order deadlocks (the check can fail). Last, the launcher with a
+recording stand-in for the launch: the counters reach the kernel only for ordered variants.
 """
 import random
 
@@ -172,3 +173,42 @@ def test_model_catches_a_deadlock():
     one that is never launched (the reason the kernel reverses the grid under DQ_ORDERED)."""
     vis = Vis(1000, 1000, 0, UNBOUNDED, 0)
     assert run_protocol(vis, 64, 1, 2, random.Random(0), ordered=False) is None
+
+
+def test_launcher_passes_zeroed_turn_counters_only_to_ordered_variants(monkeypatch):
+    """launch_sm90_bwd.backward with a recording stand-in for the launch (CPU tensors, no GPU): an ordered
+    variant gets one more argument, the address of zeroed int32 counters, one per (batch, query head, query
+    block of BM); the table's variant keeps the 7 arguments of its signature."""
+    import gc
+
+    import torch
+
+    from attnx.autograd import backend_view
+    from attnx.backends.cuda import launch_sm90_bwd as launcher
+    from attnx.problem import make_call
+
+    q = torch.randn(2, 4, 300, 64, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 1000, 64, dtype=torch.bfloat16) for _ in range(2))
+    p, x = make_call(q, k, v, causal=True, grad_inputs=())
+    p = p._replace(arch="sm_90", vendor="nvidia")
+    xv = backend_view(p, x)
+    seen = {}
+
+    def launch(kernel, grid, threads, smem, args, device_index):
+        last = args[-1]
+        counters = [t for t in gc.get_objects() if isinstance(last, np.uint64) and isinstance(t, torch.Tensor)
+                    and t.dtype == torch.int32 and t.data_ptr() == int(last)]
+        seen.update(grid=grid, args=len(args), counters=[(t.numel(), int(t.abs().sum())) for t in counters])
+
+    monkeypatch.setattr(launcher, "tensor_map", lambda t, rows: ("map", rows))
+    monkeypatch.setattr(launcher, "get_kernel", lambda variant, arch, device_index: variant)
+    monkeypatch.setattr(launcher, "_device_index", lambda t: 0)
+    monkeypatch.setattr(launcher, "_launch", launch)
+    out, lse = torch.zeros(2, 4, 300, 64, dtype=torch.bfloat16), torch.zeros(2, 4, 300)
+    dout = torch.randn_like(out)
+    table = launcher.backward_variant_for(p)
+    assert table is not None and not table.dq_ordered and table.block_m == 128
+    launcher.backward(p, xv, out, lse, dout, table._replace(dq_ordered=True))
+    assert seen == {"grid": 2 * 2 * 8, "args": 8, "counters": [(2 * 4 * 3, 0)]}
+    launcher.backward(p, xv, out, lse, dout, table)
+    assert seen["args"] == 7 and seen["counters"] == []
