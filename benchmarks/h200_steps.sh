@@ -2,7 +2,7 @@
 # One device call running named steps in order under one deadline (a call may last 10 minutes).
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda paper hopper-check hopper-time det-check det-time sanitize
-#        decode-bw dqbulk ncu-bwd fuzz-triton decode-cuda
+#        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -54,6 +54,10 @@ for step in "$@"; do
     dqbulk) run_step dqbulk-check 120 python3 -m benchmarks.hopper_backward check --configs dqbulk
             [ -n "${passed[dqbulk-check]:-}" ] && run_step dqbulk-time 150 python3 -m benchmarks.hopper_backward time \
                 --configs table,dqbulk --seqlens 4096,16384 ;;
+    # the Hopper backward's opt-in ordered dQ (deterministic): 148 cases x 3 runs, same bits; then its cost
+    ordered) run_step ordered-check 200 python3 -m benchmarks.hopper_backward check --configs ordered
+            [ -n "${passed[ordered-check]:-}" ] && run_step ordered-time 150 python3 -m benchmarks.hopper_backward time \
+                --configs table,ordered --seqlens 4096,16384 ;;
     # one profile of the Hopper backward at d128 16k (the kernel's 4th launch: past compile and warm-up)
     ncu-bwd) run_step ncu-bwd 240 ncu --clock-control none --set full -k attnx_bwd_wgmma -s 3 -c 1 \
                python3 -m benchmarks.hopper_backward time --seqlens 16384 --head-dims 128 ;;
