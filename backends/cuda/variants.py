@@ -124,6 +124,8 @@ class Variant(NamedTuple):
 
     def label(self) -> str:
         flags = ("bf16" if self.bf16 else "fp16") + ("+mod" if self.score_mod else "")
+        if self.kernel == "decode_combine":
+            return f"{self.family} decode_combine {flags}"
         if self.kernel == "bwd" and not (self.do_dv and self.do_dk):
             flags += "+dv" if self.do_dv else "+dk"
         flags += "" if self.atomic_dq else " no-dq"
