@@ -295,6 +295,14 @@ def _storage(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), (n,), (1,))
 
 
+def _at(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """flat[offsets] as float32, raising on any offset outside [0, len(flat)) (torch would wrap a negative one)."""
+    if offsets.numel() and (int(offsets.min()) < 0 or int(offsets.max()) >= flat.numel()):
+        raise IndexError(f"emulated read outside the buffer: offsets {int(offsets.min())}..{int(offsets.max())} "
+                         f"of {flat.numel()}")
+    return flat[offsets].float()
+
+
 def emulate(plan):
     """(out_k, lse) as fa_decode.cu computes them from `plan` (launch_decode.prepare): the same blocks,
     rows, splits, warp key blocks, clamped lengths and page entries, per-warp softmax, warp merge and
@@ -319,7 +327,7 @@ def emulate(plan):
         if "page_table" in mem and r["num_pages"] <= 0:
             sk = 0
         elif "seqlens_k" in mem:
-            sk = min(max(int(mem["seqlens_k"][b]), 0), r["capacity"])
+            sk = min(max(int(_at(mem["seqlens_k"], torch.tensor(b))), 0), r["capacity"])
         else:
             sk = r["capacity"]
         offset = sk - sq if r["align_br"] else r["key_offset"]
@@ -331,7 +339,7 @@ def emulate(plan):
         grs = ar(r0, r1 + 1)
         heads, qi = hk * group + grs // sq, grs % sq
         qoff = b * r["q_bs"] + heads * r["q_hs"] + qi * r["q_rs"]
-        q = mem["q"][qoff[:, None] + ar(d)].float()  # (rows, d)
+        q = _at(mem["q"], qoff[:, None] + ar(d))  # (rows, d)
         parts = []
         for w in range(nw):
             first = key_lo // bn + w
@@ -342,7 +350,7 @@ def emulate(plan):
             if "page_table" in mem:
                 kl = keys[live]
                 idx = kl // r["page_size"]
-                page = mem["page_table"][b * r["pt_bs"] + idx].long().clamp(0, r["num_pages"] - 1)
+                page = _at(mem["page_table"], b * r["pt_bs"] + idx).long().clamp(0, r["num_pages"] - 1)
                 prow = kl - idx * r["page_size"]
                 koff, voff = page * r["k_bs"] + prow * r["k_rs"], page * r["v_bs"] + prow * r["v_rs"]
                 kbase, vbase = hk * r["k_hs"], hk * r["v_hs"]
@@ -351,13 +359,13 @@ def emulate(plan):
                 kbase, vbase = b * r["k_bs"] + hk * r["k_hs"], b * r["v_bs"] + hk * r["v_hs"]
             kt = torch.zeros(len(keys), d)
             vt = torch.zeros(len(keys), dv)
-            kt[live] = mem["k"][kbase + koff[:, None] + ar(d)].float()
-            vt[live] = mem["v"][vbase + voff[:, None] + ar(dv)].float()
+            kt[live] = _at(mem["k"], kbase + koff[:, None] + ar(d))
+            vt[live] = _at(mem["v"], vbase + voff[:, None] + ar(dv))
             s = q @ kt.T * r["scale"]
             if r["softcap"] > 0:
                 s = r["softcap"] * torch.tanh(s * r["softcap_inv"])
             if "alibi" in mem:
-                slope = mem["alibi"][b * r["alibi_bs"] + heads * r["alibi_hs"]].float()
+                slope = _at(mem["alibi"], b * r["alibi_bs"] + heads * r["alibi_hs"])
                 s = s - slope[:, None] * (qi[:, None] + offset - keys[None, :]).abs().float()
             pos = qi[:, None] + offset
             seen = (keys[None, :] < sk) & (keys[None, :] >= pos - r["window_left"]) & \
@@ -373,7 +381,7 @@ def emulate(plan):
         total = sum(wt * l for wt, (_, l, _) in zip(wts, parts))
         acc = sum(wt[:, None] * o for wt, (_, _, o) in zip(wts, parts))
         grow = (b * r["heads_q"] + heads) * sq + qi
-        sink = mem["sinks"][heads].float() * log2e if (r["splits"] == 1 and "sinks" in mem) else \
+        sink = _at(mem["sinks"], heads) * log2e if (r["splits"] == 1 and "sinks" in mem) else \
             torch.full_like(total, -inf)
         topk = torch.maximum(shift, sink)
         keep = torch.exp2(shift - topk)
