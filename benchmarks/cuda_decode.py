@@ -431,8 +431,29 @@ def _paged_copy(k, v, page_size):
     return pool_k, pool_v, perm.reshape(b, pages).to(torch.int32)
 
 
+def _graphed(fn):
+    """`fn` captured in a CUDA graph (warmed up first: compiles and autotuning stay outside), as its replay;
+    None (with a line) where capture fails."""
+    try:
+        fn()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay
+    except Exception as err:
+        print(f"  (graph capture failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})",
+              flush=True)
+        return None
+
+
 def time_all(batches, lengths, max_gb: float) -> None:
-    """Llama-3-8B decode (32 q heads, 8 kv heads, d128, bf16, one new token): GB/s of K+V."""
+    """Llama-3-8B decode (32 q heads, 8 kv heads, d128, bf16, one new token): GB/s of K+V read once,
+    kernels replayed from a CUDA graph (the Python call is not what is compared); `eager` rows add it."""
     import attnx
     from attnx.autograd import backend_view
     from attnx.backends.cuda import launch_decode
@@ -441,6 +462,7 @@ def time_all(batches, lengths, max_gb: float) -> None:
 
     hq, hkv, d = 32, 8, 128
     major, minor = torch.cuda.get_device_capability()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{'B':>3} {'Sk':>7} {'format':<8} {'kernel':<22} {'ms':>8} {'GB/s':>8} {'splits':>6}")
     for b in batches:
         for s in lengths:
@@ -453,12 +475,17 @@ def time_all(batches, lengths, max_gb: float) -> None:
             v = torch.randn_like(k)
             lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
 
-            def row(fmt, name, fn, splits=""):
-                ms = bench(fn)
-                print(f"{b:>3} {s:>7} {fmt:<8} {name:<22} {ms:8.3f} {gbytes / ms * 1e3:8.0f} {splits!s:>6}", flush=True)
+            def row(fmt, name, fn, splits="", eager=False):
+                replay = fn if eager else _graphed(fn)
+                ms = bench(replay) if replay is not None else float("nan")
+                print(f"{b:>3} {s:>7} {fmt:<8} {name + (' (eager)' if eager else ''):<22} {ms:8.3f} "
+                      f"{gbytes / ms * 1e3:8.0f} {splits!s:>6}", flush=True)
 
-            for name, kind in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
+            for name, kind in (("sdpa-default", None), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
+                               ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
                 def sdpa(kind=kind):
+                    if kind is None:
+                        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
                     with sdpa_kernel(kind):
                         return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
                 row("dense", name, sdpa)
@@ -473,8 +500,10 @@ def time_all(batches, lengths, max_gb: float) -> None:
                 p, x = make_call(q, kk, vv, grad_inputs=(), **kw)
                 p = p._replace(arch=f"sm_{major}{minor}")
                 xv = backend_view(p, x)
-                plan = launch_decode.prepare(p, xv, torch.cuda.get_device_properties(0).multi_processor_count)
-                row(fmt, "cuda decode", lambda: launch_decode.forward(p, xv), plan.splits)
+                splits = launch_decode.prepare(p, xv, sms).splits
+                row(fmt, "cuda decode", lambda: launch_decode.forward(p, xv), splits)
+                if fmt in ("dense", "paged16"):
+                    row(fmt, "cuda decode", lambda: launch_decode.forward(p, xv), splits, eager=True)
                 row(fmt, "triton", lambda: attnx.attention(q, kk, vv, backend="triton", **kw))
                 kk = vv = None  # the pools go before the next format's
             q = k = v = None
