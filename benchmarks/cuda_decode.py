@@ -251,7 +251,17 @@ def check_one(case: Case, device, gen, forward) -> tuple[bool, str]:
     lows = [formula(p, xv, built, cd) for cd in (xv.q.dtype, torch.float32)]
     good_o, text_o = _compare(out, ref[0], [lo[0] for lo in lows], "out")
     good_l, text_l = _compare(lse, ref[1], [lo[1] for lo in lows], "lse")
-    return good_o and good_l, f"{text_o}  {text_l}"
+    return good_o and good_l, f"{text_o}  {text_l}  splits {_splits(p, xv, built, device)}"
+
+
+def _splits(p, xv, built: Built, device) -> int:
+    """The split count the launcher picks for the case (on this GPU, or as for an H200 on the CPU)."""
+    from attnx.backends.cuda import launch_decode
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
+    if device != "cuda":
+        p = p._replace(device_type="cuda", vendor="nvidia", arch="sm_90")
+    return launch_decode.prepare(p, xv, sms, splits=built.splits).splits
 
 
 def check(all_cases, forward, device, only=None) -> bool:
