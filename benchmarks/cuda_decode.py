@@ -87,6 +87,8 @@ def cases() -> list:
         ("d192 (tile 256)", (1000, 300), 8, 2, 1, 192, 192, {"sinks": True}),
         ("splits=1 forced", (4097, 1000), 8, 2, 1, 128, 128, {"splits": 1}),
         ("splits=13 forced", (4097, 1000), 8, 2, 1, 128, 128, {"splits": 13, "sinks": True}),
+        ("splits=1 sinks alibi sq4", (1000, 300), 8, 2, 4, 128, 128, {"splits": 1, "sinks": True, "alibi": True,
+                                                                      "causal": True}),
         ("nan key", (1000, 300), 8, 2, 4, 128, 128, {"nan_key": 37, "causal": True}),
     ]
     for fmt, ps in (("cache", 0), ("paged", 1), ("paged", 16), ("paged", 256)):
