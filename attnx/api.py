@@ -102,7 +102,7 @@ def attention(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
             and sinks is None and cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None
             and max_seqlen_k is None and seqlens_k is None and page_table is None
             and (backend is None or type(backend) is str) and not _is_compiling()):
-        memo_key, known = call_memo.lookup(q, k, v, layout, causal, scale, deterministic)
+        memo_key, known = call_memo.lookup(q, k, v, layout, causal, scale, deterministic, return_lse)
         if (type(known) is _Run and known.forced == backend and known.generation == generation()
                 and known.allowed == allowed_backends()):
             x = Inputs(q, k, v)
@@ -122,7 +122,7 @@ def attention(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
         out, lse = traced_attention(q, k, v, options, backend)
     else:
         # first time (or not plain): validate; the Problem is remembered under a plain call's key
-        p, x = make_call(q, k, v, **options, memo_key=memo_key)
+        p, x = make_call(q, k, v, **options, memo_key=memo_key, wants_lse=return_lse)
         out, lse = _execute(p, x, backend)
     return (out, lse) if return_lse else out
 
@@ -135,7 +135,7 @@ def explain(q, k, v, *, backend=None, return_lse=False, **options) -> Decision:
     declines. ``print(attnx.explain(q, k, v, causal=True))`` shows it as a table.
     """
     _check_return_lse(return_lse)
-    p = make_call(q, k, v, **options)[0]
+    p = make_call(q, k, v, **options, wants_lse=return_lse)[0]
     if backend is not None:
         get_backend(backend)
     return decide(p, backend)
@@ -163,7 +163,7 @@ class Plan:
         unknown = set(tensors) - set(self._TENSOR_OPTIONS)
         if unknown:
             raise InvalidArgumentError(f"Plan.run takes tensors only; fixed at plan time: {', '.join(sorted(unknown))}")
-        p, x = make_call(q, k, v, **self._options, **tensors)
+        p, x = make_call(q, k, v, **self._options, **tensors, wants_lse=self._return_lse)
         if p is not self.problem and p != self.problem:  # (a remembered plain call: the same object)
             changed = [f"{name} {getattr(self.problem, name)!r} -> {getattr(p, name)!r}"
                        for name in Problem._fields if getattr(p, name) != getattr(self.problem, name)]
@@ -187,7 +187,7 @@ def plan(q, k, v, *, backend=None, return_lse=False, **options) -> Plan:
             out = step.run(q, k_pages, v_pages, seqlens_k=lengths, page_table=table)
     """
     _check_return_lse(return_lse)
-    p = make_call(q, k, v, **options)[0]
+    p = make_call(q, k, v, **options, wants_lse=return_lse)[0]
     chosen = None if p.is_empty else choose(p, backend)
     if chosen is not None:
         chosen.prepare(p)

@@ -45,7 +45,7 @@ class Run(NamedTuple):
 _NOT_PLAIN = (None, None)
 
 
-def lookup(q, k, v, layout, causal, scale, deterministic=None) -> tuple:
+def lookup(q, k, v, layout, causal, scale, deterministic=None, wants_lse=True) -> tuple:
     """``(key, entry)`` of a call whose other arguments are all None, or ``(None, None)`` when it is
     not plain: its memo key and what is remembered for it (its `Problem`, a `Run` the caller
     checks, or None). One frame for both: `attnx.attention` runs this on every plain call."""
@@ -65,7 +65,7 @@ def lookup(q, k, v, layout, causal, scale, deterministic=None) -> tuple:
         grads = (q.requires_grad, k.requires_grad, v.requires_grad,
                  deterministic is True or torch.are_deterministic_algorithms_enabled())
     key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, layout, causal,
-           scale, grads)
+           scale, grads, wants_lse is True)
     return key, _memo.get(key)
 
 

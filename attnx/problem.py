@@ -76,6 +76,9 @@ class Problem(NamedTuple):
     q_format: str
     kv_format: str
     page_size: Optional[int]     # paged kv only
+    # whether the caller uses lse (return_lse, or a backward): False lets a backend skip computing it
+    # (its forward may then return None for lse); True by default, always with gradients
+    wants_lse: bool = True
 
     @classmethod
     def create(cls, *, dtype: torch.dtype, batch: int, heads_q: int, seqlen_q: int, head_dim: int,
@@ -85,7 +88,7 @@ class Problem(NamedTuple):
                mask_shape: Optional[tuple] = None, mask_requires_grad: bool = False, alibi: bool = False,
                sinks: bool = False, softcap=None, scale=None, needs_grad: bool = False,
                deterministic: Optional[bool] = None, q_format: str = "dense", kv_format: str = "dense",
-               page_size: Optional[int] = None) -> "Problem":
+               page_size: Optional[int] = None, wants_lse: bool = True) -> "Problem":
         """The one constructor: checks and normalises every scalar option.
 
         ``device`` is a torch device or string (default CPU); ``vendor``/``arch`` override
@@ -133,7 +136,7 @@ class Problem(NamedTuple):
                    mask_requires_grad=bool(mask_requires_grad and needs_grad), has_alibi=bool(alibi),
                    has_sinks=bool(sinks), softcap=softcap, scale=scale, needs_grad=bool(needs_grad),
                    deterministic=bool(deterministic and needs_grad), q_format=q_format, kv_format=kv_format,
-                   page_size=page_size)
+                   page_size=page_size, wants_lse=bool(wants_lse or needs_grad))
 
     @property
     def capability(self) -> Optional[tuple[int, int]]:
@@ -437,20 +440,21 @@ _COMPUTE = object()  # make_call's default: compute the memo key here
 def make_call(q, k, v, *, causal=False, window=None, offset=None, mask=None, scale=None, softcap=None,
               alibi_slopes=None, sinks=None, layout="bhsd", cu_seqlens_q=None, cu_seqlens_k=None,
               max_seqlen_q=None, max_seqlen_k=None, seqlens_k=None, page_table=None, deterministic=None,
-              grad_inputs=None, memo_key=_COMPUTE) -> tuple[Problem, Inputs]:
+              grad_inputs=None, memo_key=_COMPUTE, wants_lse=True) -> tuple[Problem, Inputs]:
     """Validate the arguments of `attnx.attention`; return its `Problem` and `Inputs`.
 
     ``grad_inputs`` names the inputs that need gradients (default: `grad_names`; the
     torch.compile ops pass what they recorded while tracing). ``memo_key``: the call's
     `call_memo.lookup` key, when the caller has looked it up already and found nothing (None: not
-    a plain call); the validated `Problem` is remembered under it.
+    a plain call); the validated `Problem` is remembered under it. ``wants_lse=False``: the caller
+    will not use lse (`Problem.wants_lse`; the memo key says it too).
     """
     if memo_key is _COMPUTE:
         memo_key = None
         if (mask is None and window is None and offset is None and softcap is None and alibi_slopes is None
                 and sinks is None and cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None
                 and max_seqlen_k is None and seqlens_k is None and page_table is None and grad_inputs is None):
-            memo_key, known = call_memo.lookup(q, k, v, layout, causal, scale, deterministic)
+            memo_key, known = call_memo.lookup(q, k, v, layout, causal, scale, deterministic, wants_lse)
             if known is not None:  # a plain call validated before (see call_memo.py)
                 return call_memo.problem_of(known), Inputs(q, k, v)
     if layout not in LAYOUTS:
@@ -482,7 +486,7 @@ def make_call(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
         head_dim_v=sizes.head_dim_v, page_size=sizes.page_size, layout=layout, causal=causal,
         window=window, offset=offset, mask_kind=mask_kind, mask_shape=mask_shape, mask_requires_grad=mask_grad,
         alibi=alibi_slopes is not None, sinks=sinks is not None, softcap=softcap, scale=scale,
-        needs_grad=bool(wanted), q_format=q_format, kv_format=kv_format,
+        needs_grad=bool(wanted), q_format=q_format, kv_format=kv_format, wants_lse=wants_lse,
         deterministic=deterministic or None)  # False asks for nothing: torch's global switch still holds
     if not p.is_dense and index_checks.validating():  # a debugging mode: reads the values (a host sync)
         index_checks.read_indices(p, x, check_longest=True)
@@ -492,5 +496,6 @@ def make_call(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
 
 
 def make_problem(q, k, v, **options) -> Problem:
-    """The `Problem` of `attnx.attention(q, k, v, **options)` (same keyword arguments)."""
+    """The `Problem` of `attnx.attention(q, k, v, return_lse=True, **options)` (same keyword arguments;
+    ``wants_lse=False`` gives that of a call without ``return_lse`` and gradients)."""
     return make_call(q, k, v, **options)[0]

@@ -174,3 +174,44 @@ def test_empty_calls_are_not_remembered_as_runs():
     for _ in range(3):
         assert attnx.attention(q, k, v).shape == (2, 4, 0, 8)
     assert not call_memo.runs()
+
+
+class _LseOnDemand:
+    """Stands in for a backend that skips lse when the caller does not use it (the torch backend's cuDNN)."""
+
+    def __init__(self, inner):
+        self.inner, self.seen = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, p, x):
+        self.seen.append(p.wants_lse)
+        out, lse = self.inner.forward(p, x)
+        return out, (lse if p.wants_lse else None)
+
+
+def test_wants_lse_follows_return_lse_and_is_part_of_the_key(monkeypatch):
+    """`Problem.wants_lse` is False only for a call that neither returns lse nor needs gradients; a
+    remembered call without lse never answers a call that asks for it (nor the other way round)."""
+    from attnx import api, dispatch
+
+    q, k, v = _qkv()
+    assert attnx.explain(q, k, v).problem.wants_lse is False
+    assert attnx.explain(q, k, v, return_lse=True).problem.wants_lse is True
+    qg, kg, vg = _qkv(requires_grad=True)
+    assert attnx.explain(qg, kg, vg).problem.wants_lse is True  # a backward needs it
+    assert attnx.plan(q, k, v).problem.wants_lse is False
+    chosen = dispatch.choose(attnx.explain(q, k, v).problem)
+    stand_in = _LseOnDemand(chosen)
+    monkeypatch.setattr(api, "choose", lambda p, backend=None: stand_in)
+    for _ in range(3):  # first call, remembered Problem, remembered run
+        for return_lse in (False, True):
+            got = attnx.attention(q, k, v, return_lse=return_lse)
+            if return_lse:
+                out, lse = got
+                assert lse is not None and lse.shape == (2, 4, 16)
+            else:
+                out = got
+            assert torch.allclose(out, attnx.attention(q, k, v, backend="naive"), atol=1e-5)
+    assert stand_in.seen and set(stand_in.seen) == {False, True}

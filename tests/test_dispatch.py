@@ -142,7 +142,7 @@ def test_decision_is_cached_on_the_problem(clean_registry, make_spy, qkv):
     assert first is spy and spy.calls == ["reasons"]
     q2, k2, v2 = qkv()  # new tensors, same signature
     assert dispatch.choose(attnx.make_problem(q2, k2, v2), "spy") is first
-    attnx.attention(q2, k2, v2, backend="spy")
+    attnx.attention(q2, k2, v2, backend="spy", return_lse=True)  # (make_problem's Problem wants lse)
     assert spy.calls == ["reasons", "forward"]  # no second decision
     assert dispatch.choose(p) is dispatch.choose(attnx.make_problem(q2, k2, v2))
     decisions = spy.calls.count("reasons")

@@ -48,6 +48,14 @@ def cudnn_wins(p: Problem) -> bool:
             and length_bucket(min(p.seqlen_q, p.seqlen_k)) >= CUDNN_MIN_SEQLEN)
 
 
+def cudnn_beats_hopper_forward(p: Problem) -> bool:
+    """Forward-only problems without lse where cuDNN's forward beat the cuda backend's Hopper forward
+    on the H200 (2026-12-01, bf16, SDPA-cuDNN beside attnx.cuda in one run): d64 at every length
+    (1.02-1.39x) and d128 up to 4k tokens (1.0-1.1x); not d128 at 16k (0.87-0.98x). Decided from
+    SDPA's numbers for the same aten call; the next paper run's dispatcher check confirms it."""
+    return p.head_dim == 64 or length_bucket(min(p.seqlen_q, p.seqlen_k)) <= 4096
+
+
 def cudnn_forward_wins(p: Problem) -> bool:
     """Forward-only problems where the cuDNN forward, asked for lse as this backend must, still beat triton
     on the H200 (2026-12-01, bf16, benchmarks/results/h200-2026-12-01-backward): 16k tokens (d128 580 vs
@@ -78,18 +86,31 @@ def _no_rng(device) -> torch.Tensor:
 
 
 def forward(p: Problem, x: Inputs):
+    """(out, lse); lse is None when the caller does not use it (`Problem.wants_lse`): cuDNN then skips it
+    and the NaN rows need no mapping (their out is NaN already)."""
     q, k, v = _operands(x)
     causal = uses_is_causal(p)
     if cudnn_wins(p):
         result = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, causal, False, scale=p.scale)
+            q, k, v, None, p.wants_lse, 0.0, causal, False, scale=p.scale)
     else:
         result = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=p.scale)
     out_k, lse_k = result[0], result[1]
-    out = alloc_out(p, x.q)
-    out.copy_(out_k)
+    if _in_caller_layout(p, out_k):
+        out = out_k  # no copy: at 1k tokens one pass over out is a sixth of cuDNN's forward
+    else:
+        out = alloc_out(p, x.q)
+        out.copy_(out_k)
+    if not p.wants_lse:
+        return out, None
     lse = lse_k.reshape(p.batch, p.heads_q, p.seqlen_q).to(torch.float32)
     return out, nan_rows_to_lse(p, q, k, lse)
+
+
+def _in_caller_layout(p: Problem, out: torch.Tensor) -> bool:
+    """Whether `out` ((B, H, S, Dv) view) is laid out as `alloc_out` would make it: contiguous in the
+    caller's layout."""
+    return (out.transpose(1, 2) if p.layout == "bshd" else out).is_contiguous()
 
 
 def nan_rows_to_lse(p: Problem, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
