@@ -53,10 +53,10 @@ class CudaBackend(Backend):
     supports_offset = True
     supports_sinks = True
     # measured on the H200 (2026-12-01, bf16, paper setting, benchmarks/results/h200-2026-12-01-backward/):
-    # the Hopper forward beats triton everywhere and the torch backend (95, cuDNN with lse, whose forward
-    # ran 196-580 TFLOP/s against this one's 337-644), so forward-only problems come here first on
-    # sm_90 (96). cuDNN alone was faster at d64 below 16k tokens (d64 S=1k: 430 vs 337), but through
-    # the torch backend it must return lse, which costs it more than that. Training with the Hopper
+    # the Hopper forward beats triton everywhere and the torch backend's cuDNN forward with lse (196-580
+    # TFLOP/s against this one's 337-644), so forward-only problems come here first on sm_90 (96);
+    # cuDNN without lse was faster at d64 and d128 up to 4k tokens (d64 S=1k: 430 vs 337), where the
+    # torch backend ranks 97 for calls that want no lse (`Problem.wants_lse`). Training with the Hopper
     # backward (head dims <= 128, not deterministic) ranks 92, ahead of triton (90): fwd+bwd d128 16k
     # 442 TFLOP/s against triton's 368; the torch backend (cuDNN, 555) still comes first where it runs.
     # Other training problems keep 60 (the Ampere backward on sm_90: 284 TFLOP/s).
