@@ -449,6 +449,8 @@ def make_call(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
     a plain call); the validated `Problem` is remembered under it. ``wants_lse=False``: the caller
     will not use lse (`Problem.wants_lse`; the memo key says it too).
     """
+    if wants_lse is not True and wants_lse is not False:
+        raise InvalidTypeError(f"`wants_lse` must be a bool, got {wants_lse!r}")
     if memo_key is _COMPUTE:
         memo_key = None
         if (mask is None and window is None and offset is None and softcap is None and alibi_slopes is None

@@ -338,6 +338,12 @@ ROWS = [
         words="torch"),
     Row("Plan.run", "(options)", "a non-tensor option (fixed at plan time)", Arg, lambda: run_plan(causal=True),
         words="causal"),
+
+    # -- make_problem ---------------------------------------------------------------------------
+    Row("make_problem", "(every attention argument)", "as attention (same checks)", Arg,
+        lambda: attnx.make_problem(*dense(), window=(-1, 0)), words="`window`"),
+    Row("make_problem", "wants_lse", "not a bool", Type, lambda: attnx.make_problem(*dense(), wants_lse=1),
+        words="`wants_lse`"),
     Row("Plan.run", "(options)", "an unknown keyword", Arg, lambda: run_plan(dropout=0.1), words="dropout"),
     Row("Plan.run", "q", "not a tensor", Type, lambda: run_plan(tensors=([0.0],) + dense()[1:])),
     Row("Plan.run", "q", "another shape than planned", Arg,

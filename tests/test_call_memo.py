@@ -215,3 +215,11 @@ def test_wants_lse_follows_return_lse_and_is_part_of_the_key(monkeypatch):
                 out = got
             assert torch.allclose(out, attnx.attention(q, k, v, backend="naive"), atol=1e-5)
     assert stand_in.seen and set(stand_in.seen) == {False, True}
+
+
+def test_make_problem_wants_lse_must_be_a_bool():
+    q, k, v = _qkv()
+    assert attnx.make_problem(q, k, v).wants_lse is True
+    assert attnx.make_problem(q, k, v, wants_lse=False).wants_lse is False
+    with pytest.raises(InvalidTypeError, match="`wants_lse`"):
+        attnx.make_problem(q, k, v, wants_lse="no")
