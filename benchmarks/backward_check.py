@@ -140,18 +140,29 @@ def check(all_cases, grads_of, device, max_scores=None, only=None, quiet=False, 
     given), one numbered line each; False on any failure. Continues past failures, stops only when
     the CUDA context is lost; `quiet`: no case lines and no summary."""
     gen = torch.Generator(device=device).manual_seed(0)
-    failed = []
     todo = [c for c in all_cases if (max_scores is None or c[4] * c[5] <= max_scores)
             and (only is None or only in c[0])]
     say = (lambda *a, **k: None) if quiet else print
     say(f"{'':4} {'#':>3} {'case':<20} {'B':>2} {'Hq':>3} {'Hkv':>3} {'Sq':>5} {'Sk':>5} {'D':>4} {'Dv':>4} "
         f"{'options':<44} max err / bound")
-    for n, case in enumerate(todo):
+
+    def head_of(n, case):
         name, b, hq, hkv, sq, sk, d, dv, opts = case
         shown = {k: (v if not isinstance(v, torch.dtype) else str(v).replace("torch.", "")) for k, v in opts.items()}
-        head = f"{n:>3} {name:<20} {b:>2} {hq:>3} {hkv:>3} {sq:>5} {sk:>5} {d:>4} {dv:>4} {str(shown):<44}"
+        return f"{n:>3} {name:<20} {b:>2} {hq:>3} {hkv:>3} {sq:>5} {sk:>5} {d:>4} {dv:>4} {str(shown):<44}"
+
+    return run_numbered(todo, head_of, lambda case: check_one(case, device, gen, grads_of, extra), device, say)
+
+
+def run_numbered(todo, head_of, check_case, device, say=print) -> bool:
+    """Run ``check_case(case) -> (good, text)`` on each case, one numbered line each (``head_of(n, case)``
+    then the text), the failures again at the end; False on any. An exception fails its case; a lost
+    CUDA context ends the run (the cases after it cannot run)."""
+    failed = []
+    for n, case in enumerate(todo):
+        head = head_of(n, case)
         try:
-            good, text = check_one(case, device, gen, grads_of, extra)
+            good, text = check_case(case)
         except Exception as err:  # a launch that fails: report it; a lost context ends the run
             good, text = False, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             traceback.print_exc()

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 from typing import NamedTuple
 
 import torch
 
 from attnx.reference import attention_reference
 
-from .backward_check import bench, context_alive, max_err
+from .backward_check import bench, max_err, run_numbered
 
 
 class Case(NamedTuple):
@@ -270,33 +269,19 @@ def check(all_cases, forward, device, only=None) -> bool:
     """Every case (whose name contains `only`), one numbered line each; False on any failure."""
     gen = torch.Generator(device=device).manual_seed(0)
     todo = [c for c in all_cases if only is None or only in c.name]
-    failed = []
     print(f"{'':4} {'#':>3} {'case':<38} {'fmt':<5} {'ps':>3} {'Hq':>3} {'Hkv':>3} {'Sq':>3} {'D':>4} {'Dv':>4} "
           f"{'lengths':<22} max err / bound")
-    for n, case in enumerate(todo):
-        shown = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v) for k, v in case.opts.items()}
-        head = (f"{n:>3} {case.name:<38} {case.fmt:<5} {case.page_size:>3} {case.hq:>3} {case.hkv:>3} {case.sq:>3} "
+
+    def head_of(n, case):
+        return (f"{n:>3} {case.name:<38} {case.fmt:<5} {case.page_size:>3} {case.hq:>3} {case.hkv:>3} {case.sq:>3} "
                 f"{case.d:>4} {case.dv:>4} {str(case.lengths):<22}")
-        try:
-            good, text = check_one(case, device, gen, forward)
-            text += f"  {shown}" if shown else ""
-        except Exception as err:
-            good, text = False, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-            traceback.print_exc()
-            if device == "cuda" and not context_alive():
-                print(f"BAD  {head} {text}\nCUDA context lost in case {n}: the remaining "
-                      f"{len(todo) - n - 1} cases are not run", flush=True)
-                for line in failed:
-                    print(line)
-                return False
-        line = f"{'ok ' if good else 'BAD'}  {head} {text}"
-        print(line, flush=True)
-        if not good:
-            failed.append(line)
-    print(f"{len(todo) - len(failed)} of {len(todo)} cases passed" + (", failures:" if failed else ""))
-    for line in failed:
-        print(line)
-    return not failed
+
+    def check_case(case):
+        good, text = check_one(case, device, gen, forward)
+        shown = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v) for k, v in case.opts.items()}
+        return good, text + (f"  {shown}" if shown else "")
+
+    return run_numbered(todo, head_of, check_case, device)
 
 
 # -- emulation: the kernels' index arithmetic in torch, on the record the launcher packs -------------------
