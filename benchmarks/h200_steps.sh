@@ -2,7 +2,7 @@
 # One device call running named steps in order under one deadline (a call may last 10 minutes).
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda paper hopper-check hopper-time det-check det-time sanitize
-#        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda
+#        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -29,7 +29,7 @@ for step in "$@"; do
     case "$step" in
     tests) run_step tests 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_deterministic.py \
                tests/test_index_bounds.py tests/test_index_validation.py tests/test_kvcache_object.py \
-               tests/test_cuda_gpu.py ;;
+               tests/test_cuda_gpu.py tests/test_compat_torch_backend.py tests/test_call_memo.py ;;
     hopper-check) run_step hopper-check 220 python3 -m benchmarks.hopper_backward check ;;
     hopper-time) [ -n "${passed[hopper-check]:-}" ] && run_step hopper-time 200 \
                python3 -m benchmarks.hopper_backward time --seqlens 4096,16384 ;;
@@ -49,6 +49,9 @@ for step in "$@"; do
     paper) run_step paper 230 python3 -m benchmarks.paper --backend cuda,triton,torch --head-dims 128,64 \
                --sdpa flash,cudnn --flex-seqlens 4096,16384 --seqlens 1024,4096,16384 --max-seconds 190 \
                --out "$out/paper" ;;
+    # the forward-only ranks decided from SDPA's numbers (torch backend without lse, 97): d64/d128 at 1k/4k
+    paper-short) run_step paper-short 200 python3 -m benchmarks.paper --backend torch,cuda,triton --head-dims 64,128 \
+               --sdpa cudnn --no-flex --seqlens 1024,4096,16384 --max-seconds 170 --out "$out/paper" ;;
     decode-bw) run_step decode-bw 90 python3 -m attnx.backends.triton.bench_decode --batch 8 --seqlen 32768 ;;
     # the Hopper backward's opt-in dQ path (shared memory + a writer warp's bulk reductions): check, then time
     dqbulk) run_step dqbulk-check 120 python3 -m benchmarks.hopper_backward check --configs dqbulk
