@@ -37,6 +37,16 @@ def _strides_ok(t: torch.Tensor) -> bool:
     return all(s % 8 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
 
 
+def family_tile(p, kernel: str):
+    """(family, head-dim tile) of `kernel` for problem `p`, or None where no family or tile has it (the
+    family of p's GPU must list `kernel` among its sources)."""
+    family = family_for(p.capability)
+    if family is None or kernel not in family.sources:
+        return None
+    tile = head_dim_tile(round8(p.head_dim), round8(p.head_dim_v), family, kernel)
+    return None if tile is None else (family, tile)
+
+
 def kernel_operand(t: torch.Tensor, width: int) -> torch.Tensor:
     """`t` itself when the kernels can read it in place, else a contiguous copy zero-padded to `width`."""
     if t.shape[-1] == width and _strides_ok(t) and t.data_ptr() % 16 == 0:

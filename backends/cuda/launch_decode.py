@@ -26,8 +26,8 @@ from attnx.inputs import Inputs
 from attnx.limits import kernel_window
 
 from .families import family_for, nvrtc_arch
-from .launch import _check_grid, _strides, _strides_ok, _vector, kernel_operand, round8, score_mod
-from .variants import Variant, decode_combine_variant, decode_variant, head_dim_tile, max_shared
+from .launch import _check_grid, _strides, _strides_ok, _vector, family_tile, kernel_operand, round8, score_mod
+from .variants import Variant, decode_combine_variant, decode_variant, max_shared
 
 MAX_SEQLEN_Q = 16     # query rows per sequence the kernel is built for (one 16-row mma tile per head)
 ROWS_PER_BLOCK = 16   # rows of the GQA group (heads x queries) per kernel block
@@ -76,12 +76,10 @@ def num_splits(programs: int, slots: int, capacity: int, split_unit: int) -> int
 
 
 def decode_variant_for(p) -> Optional[Variant]:
-    family = family_for(p.capability)
-    if family is None:
+    found = family_tile(p, "decode")
+    if found is None:
         return None
-    tile = head_dim_tile(round8(p.head_dim), round8(p.head_dim_v), family, "decode")
-    if tile is None:
-        return None
+    family, tile = found
     return decode_variant(family, p.dtype == torch.bfloat16, tile, score_mod(p), max_shared(p.capability))
 
 

@@ -18,21 +18,19 @@ from attnx.errors import InvalidArgumentError
 from attnx.inputs import Grads, Inputs
 
 from .compile import get_kernel
-from .families import family_for, nvrtc_arch
+from .families import nvrtc_arch
 from .launch import (_check_grid, _common, _device_index, _launch, backward_fields, backward_grads, backward_operands,
-                     round8, score_mod)
+                     family_tile, round8, score_mod)
 from .params import pack_params
-from .variants import Variant, deterministic_backward_variants, head_dim_tile, max_shared
+from .variants import Variant, deterministic_backward_variants, max_shared
 
 
 def launches_for(p) -> tuple[Variant, ...] | None:
     """The dK/dV pass(es) and the dQ pass of problem `p`, or None where no tile fits."""
-    family = family_for(p.capability)
-    if family is None:
+    found = family_tile(p, "bwd")
+    if found is None:
         return None
-    tile = head_dim_tile(round8(p.head_dim), round8(p.head_dim_v), family, "bwd")
-    if tile is None:
-        return None
+    family, tile = found
     return deterministic_backward_variants(family, p.dtype == torch.bfloat16, tile, score_mod(p),
                                            max_shared(p.capability))
 

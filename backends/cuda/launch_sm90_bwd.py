@@ -22,24 +22,22 @@ from attnx.errors import InvalidArgumentError
 from attnx.inputs import Grads, Inputs
 
 from .compile import get_kernel
-from .families import family_for, nvrtc_arch
-from .launch import (_check_grid, _common, _device_index, _launch, backward_grads, backward_operands, round8,
+from .families import nvrtc_arch
+from .launch import (_check_grid, _common, _device_index, _launch, backward_grads, backward_operands, family_tile,
                      score_mod)
 from .params import pack_params
 from .tensor_maps import tensor_map
-from .variants import Variant, head_dim_tile, hopper_backward_variant, max_shared
+from .variants import Variant, hopper_backward_variant, max_shared
 
 STORE_ROWS = 64  # each consumer warpgroup stores its 64 keys of dk and dv
 
 
 def backward_variant_for(p) -> Variant | None:
     """The Hopper backward's specialisation for problem `p`, or None where it has no tile (head dims > 128)."""
-    family = family_for(p.capability)
-    if family is None or "bwd_wgmma" not in family.sources:  # (TILE_SETS has no entry for other families)
+    found = family_tile(p, "bwd_wgmma")
+    if found is None:
         return None
-    tile = head_dim_tile(round8(p.head_dim), round8(p.head_dim_v), family, "bwd_wgmma")
-    if tile is None:
-        return None
+    family, tile = found
     return hopper_backward_variant(family, p.dtype == torch.bfloat16, tile, score_mod(p), max_shared(p.capability))
 
 
