@@ -179,8 +179,6 @@ def test_launcher_passes_zeroed_turn_counters_only_to_ordered_variants(monkeypat
     """launch_sm90_bwd.backward with a recording stand-in for the launch (CPU tensors, no GPU): an ordered
     variant gets one more argument, the address of zeroed int32 counters, one per (batch, query head, query
     block of BM); the table's variant keeps the 7 arguments of its signature."""
-    import gc
-
     import torch
 
     from attnx.autograd import backend_view
@@ -192,14 +190,21 @@ def test_launcher_passes_zeroed_turn_counters_only_to_ordered_variants(monkeypat
     p, x = make_call(q, k, v, causal=True, grad_inputs=())
     p = p._replace(arch="sm_90", vendor="nvidia")
     xv = backend_view(p, x)
-    seen = {}
+    seen, made = {}, []
+    zeros = torch.zeros
+
+    def recording_zeros(*args, **kwargs):  # the int32 tensors the launcher allocates (turn counters)
+        t = zeros(*args, **kwargs)
+        if t.dtype == torch.int32:
+            made.append(t)
+        return t
 
     def launch(kernel, grid, threads, smem, args, device_index):
         last = args[-1]
-        counters = [t for t in gc.get_objects() if isinstance(last, np.uint64) and isinstance(t, torch.Tensor)
-                    and t.dtype == torch.int32 and t.data_ptr() == int(last)]
+        counters = [t for t in made if isinstance(last, np.uint64) and t.data_ptr() == int(last)]
         seen.update(grid=grid, args=len(args), counters=[(t.numel(), int(t.abs().sum())) for t in counters])
 
+    monkeypatch.setattr(torch, "zeros", recording_zeros)
     monkeypatch.setattr(launcher, "tensor_map", lambda t, rows: ("map", rows))
     monkeypatch.setattr(launcher, "get_kernel", lambda variant, arch, device_index: variant)
     monkeypatch.setattr(launcher, "_device_index", lambda t: 0)
