@@ -160,17 +160,18 @@ def test_hopper_backward_dq_bulk_knob_compiles():
         assert ok and size > 0, log[:2000]
 
 
-def test_hopper_backward_dq_ordered_knob_compiles():
-    """The opt-in ordered dQ (turn counters per query block: bitwise-deterministic dq) that
-    benchmarks/hopper_backward.py checks and times as `--configs ordered`: it builds for sm_90a for every tile
-    (the split by keys, whose two consumers take turns on the same dQ elements, only in the score-mod tile),
-    is never requested by the launcher's tables, and needs the red path (not DQ_BULK)."""
+def test_hopper_backward_dq_ordered_variants_compile():
+    """The ordered dQ (turn counters per query block: bitwise-deterministic dq) that deterministic problems
+    run: every table tile has its ordered twin among the requestable variants (so CI builds both), it builds
+    for sm_90a (the split by keys, whose two consumers take turns on the same dQ elements, only in the
+    score-mod tile), and it needs the red path (not DQ_BULK)."""
     reason = _nvrtc_available()
     if reason:
         pytest.skip(reason)
-    table = [v for v in variants.requestable(families.HOPPER, (9, 0)) if v.hopper_backward]
-    assert table and not any(v.dq_ordered for v in table)
-    assert all("-DDQ_ORDERED=0" in v.defines() for v in table)
+    found = [v for v in variants.requestable(families.HOPPER, (9, 0)) if v.hopper_backward]
+    table = [v for v in found if not v.dq_ordered]
+    assert table and all("-DDQ_ORDERED=0" in v.defines() for v in table)
+    assert {v for v in found if v.dq_ordered} == {v._replace(dq_ordered=True) for v in table}
     todo = [v._replace(dq_ordered=True) for v in table if v.bf16]
     assert {v.block_m for v in todo if v.score_mod and v.head_dim == 64} == {64}  # the split by keys
     for v in todo:
@@ -183,11 +184,12 @@ def test_hopper_backward_dq_ordered_knob_compiles():
 
 @pytest.mark.parametrize("head_dim,head_dim_v,deterministic,hopper", [
     (128, 128, False, True), (64, 64, False, True), (40, 24, False, True), (128, 64, False, True),
-    (192, 192, False, False), (256, 256, False, False), (128, 128, True, False)])
+    (192, 192, False, False), (256, 256, False, False), (128, 128, True, True), (256, 256, True, False)])
 def test_training_on_hopper_runs_the_hopper_backward_where_it_has_a_tile(head_dim, head_dim_v, deterministic,
                                                                          hopper):
     """sm_90 gradients: the wgmma/TMA backward for head dims up to 128 (checked on the H200 2026-12-01,
-    1.5x the Ampere kernel there); larger head dims and the deterministic mode keep the Ampere kernel."""
+    1.5x the Ampere kernel there), deterministic problems included (its ordered dQ); larger head dims keep
+    the Ampere kernel."""
     from attnx.backends.cuda.backend import _hopper_backward
 
     p = _problem("sm_90", head_dim=head_dim, head_dim_v=head_dim_v, needs_grad=True, deterministic=deterministic)
@@ -195,6 +197,21 @@ def test_training_on_hopper_runs_the_hopper_backward_where_it_has_a_tile(head_di
     assert BACKEND.rank(p) == (92 if hopper else 60)
     assert (BACKEND.rank(p) > attnx.get_backend("triton").rank(p)) is hopper
     assert not _hopper_backward(_problem("sm_80", head_dim=head_dim, head_dim_v=head_dim_v, needs_grad=True))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_hopper_backward_takes_the_ordered_variant_when_deterministic(monkeypatch, deterministic):
+    """`CudaBackend.backward` on sm_90: the ordered-dQ twin of the table's tile for deterministic problems
+    (same bits on every run), the table's own (atomic dQ) otherwise; the launch itself is replaced here."""
+    from attnx.backends.cuda import launch_sm90_bwd
+
+    launched = []
+    monkeypatch.setattr(launch_sm90_bwd, "backward", lambda p, x, out, lse, dout, variant: launched.append(variant))
+    p = _problem("sm_90", head_dim=128, needs_grad=True, deterministic=deterministic)
+    BACKEND.backward(p, None, None, None, None)
+    table = launch_sm90_bwd.backward_variant_for(p)
+    assert launched == [table._replace(dq_ordered=True) if deterministic else table]
+    assert not table.dq_ordered
 
 
 @pytest.mark.parametrize("family", list(families.FAMILIES.values()), ids=lambda f: f.name)

@@ -24,8 +24,8 @@ def _driver_bindings() -> bool:
 
 def _hopper_backward(p) -> bool:
     """Whether the Hopper backward (kernels/sm90/fa_bwd.cu) runs `p`'s gradients: sm_90, head dims up to
-    128, not deterministic (its dQ is added with atomics)."""
-    if p.deterministic or p.capability is None:
+    128; deterministic problems take its ordered-dQ variant (`backward` below)."""
+    if p.capability is None:
         return False
     from .launch_sm90_bwd import backward_variant_for
 
@@ -46,9 +46,11 @@ class CudaBackend(Backend):
     max_head_dim = HEAD_DIM_TILES[-1]
     mask_kinds = frozenset()          # dense masks are not implemented in the kernels
     supports_mask_grad = False
-    # The default backwards add dQ with fp32 atomics; deterministic problems run launch_deterministic.py
-    # (the Ampere backward without atomic dQ, then a dQ pass): bitwise-identical on the H200 2026-12-01
-    # (105 cases), 1.06-1.12x the atomic Ampere backward's time (NOTES.md, "Deterministic backward").
+    # The default backwards add dQ with fp32 atomics. Deterministic problems the Hopper backward covers run
+    # its ordered-dQ variant (fixed order of key blocks per query block): 148/148 cases bitwise-identical
+    # over reruns on the H200 2026-12-02, 1.09-1.22x the atomic Hopper backward's time. The others run
+    # launch_deterministic.py (the Ampere backward without atomic dQ, then a dQ pass): bitwise-identical
+    # on the H200 2026-12-01 (105 cases), 1.06-1.12x the atomic Ampere backward (NOTES.md).
     deterministic = True
     supports_offset = True
     supports_sinks = True
@@ -57,7 +59,7 @@ class CudaBackend(Backend):
     # TFLOP/s against this one's 337-644), so forward-only problems come here first on sm_90 (96);
     # cuDNN without lse was faster at d64 and d128 up to 4k tokens (d64 S=1k: 430 vs 337), where the
     # torch backend ranks 97 for calls that want no lse (`Problem.wants_lse`). Training with the Hopper
-    # backward (head dims <= 128, not deterministic) ranks 92, ahead of triton (90): fwd+bwd d128 16k
+    # backward (head dims <= 128; deterministic ones ordered) ranks 92, ahead of triton (90): fwd+bwd d128 16k
     # 442 TFLOP/s against triton's 368; the torch backend (cuDNN, 555) still comes first where it runs.
     # Other training problems keep 60 (the Ampere backward on sm_90: 284 TFLOP/s).
     priority = {"cuda:nvidia": 80, "cuda:sm_90": 60}
@@ -134,14 +136,17 @@ class CudaBackend(Backend):
         return forward(p, x)
 
     def backward(self, p, x, out, lse, dout):
+        if _hopper_backward(p):
+            from .launch_sm90_bwd import backward as hopper_backward
+            from .launch_sm90_bwd import backward_variant_for
+
+            variant = backward_variant_for(p)
+            return hopper_backward(p, x, out, lse, dout, variant._replace(dq_ordered=True) if p.deterministic
+                                   else variant)
         if p.deterministic:
             from .launch_deterministic import backward as deterministic_backward
 
             return deterministic_backward(p, x, out, lse, dout)
-        if _hopper_backward(p):
-            from .launch_sm90_bwd import backward as hopper_backward
-
-            return hopper_backward(p, x, out, lse, dout)
         from .launch import backward
 
         return backward(p, x, out, lse, dout)

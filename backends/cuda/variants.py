@@ -330,7 +330,7 @@ def requestable(family: Family, capability) -> list[Variant]:
                 found += list(deterministic_backward_variants(family, bf16, tile, mod, shared) or ())
             for tile in TILE_SETS.get((family.name, "bwd_wgmma"), ()):
                 bwd = hopper_backward_variant(family, bf16, tile, mod, shared)
-                found += [bwd] if bwd else []
+                found += [bwd, bwd._replace(dq_ordered=True)] if bwd else []  # the second: deterministic
             for tile in TILE_SETS.get((family.name, "decode"), ()):
                 dec = decode_variant(family, bf16, tile, mod, shared)
                 found += [dec] if dec else []
