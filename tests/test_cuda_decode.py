@@ -1,4 +1,4 @@
-"""CPU checks of the cuda backend's split-KV decode kernel (not dispatched; no GPU here).
+"""CPU checks of the cuda backend's split-KV decode kernel (no GPU here; checked on the H200 2026-12-02).
 
 What runs without a GPU: the check harness with the float32 formula as the kernel (`--self-test`),
 the launcher's host side with the kernels' index arithmetic emulated in torch on the record it packs
@@ -7,10 +7,13 @@ combine; an out-of-bounds read raises there), the record's layout against the C 
 heuristic, the variants and a no-spill compile. The kernels themselves run in
 `python -m benchmarks.cuda_decode check` on a GPU.
 """
+import unittest.mock as mock
+
 import pytest
 import torch
 
 import attnx
+from attnx.inputs import Inputs
 from attnx.backends.cuda import families, launch_decode, nvrtc_check, variants
 from attnx.backends.cuda.compile import kernel_source, nvrtc_options
 from attnx.problem import Problem
@@ -115,14 +118,45 @@ def test_decode_variants_are_listed_and_fit():
         assert len(combine) == 2 and all(v.function == "attnx_decode_combine" for v in combine)
 
 
-def test_decode_is_not_dispatched():
-    """The cuda backend keeps declining the cache and paged formats until a GPU has checked the kernel."""
+def _decode_problem(kv_format="cache", **kw):
+    base = dict(dtype=torch.bfloat16, batch=2, heads_q=32, heads_kv=8, seqlen_q=1, seqlen_k=4096, head_dim=128,
+                device="cuda", vendor="nvidia", arch="sm_90", kv_format=kv_format,
+                page_size=16 if kv_format == "paged" else None)
+    return Problem.create(**{**base, **kw})
+
+
+@pytest.mark.parametrize("kv_format", ["cache", "paged"])
+def test_cache_and_paged_keys_run_the_decode_kernel(kv_format):
+    """Checked on the H200 (2026-12-02: 118/118): forward-only cache/paged calls of up to 16 queries are
+    accepted and run here, ahead of triton on sm_90; gradients, longer query blocks and head dims without
+    a tile are declined with their reason."""
     backend = attnx.get_backend("cuda")
-    for fmt in ("cache", "paged"):
-        p = Problem.create(dtype=torch.bfloat16, batch=2, heads_q=32, heads_kv=8, seqlen_q=1, seqlen_k=4096,
-                           head_dim=128, device="cuda", vendor="nvidia", arch="sm_90", kv_format=fmt,
-                           page_size=16 if fmt == "paged" else None)
-        assert any("format" in r for r in backend.declared_reasons(p))
+    p = _decode_problem(kv_format)
+    assert not backend.declared_reasons(p) and not backend.extra_reasons(p)
+    assert launch_decode.runs_decode(p) and backend.rank(p) > attnx.get_backend("triton").rank(p)
+    declined = {"backward": _decode_problem(kv_format, needs_grad=True),
+                "at most 16 queries": _decode_problem(kv_format, seqlen_q=17),
+                "no decode tile": _decode_problem(kv_format, head_dim=512, head_dim_v=512)}
+    for words, q in declined.items():
+        assert any(words in r for r in backend.extra_reasons(q)), (words, backend.extra_reasons(q))
+
+
+def test_dense_keys_decode_only_short_forward_calls():
+    """Dense keys take the decode kernel for forward-only calls of <= 16 queries; the forward kernels
+    (one 128-query tile per head) run everything else."""
+    assert launch_decode.runs_decode(_decode_problem("dense", seqlen_q=16))
+    assert not launch_decode.runs_decode(_decode_problem("dense", seqlen_q=17))
+    assert not launch_decode.runs_decode(_decode_problem("dense", needs_grad=True))
+
+
+def test_splits_keep_the_grid_in_one_launch():
+    """Many sequences and kv heads: the split count shrinks before the grid passes CUDA's limit."""
+    p = _decode_problem("dense", batch=1)  # 8 blocks per split (8 kv heads, 4 query heads each)
+    k = torch.randn(1, 8, 4096, 128, dtype=torch.bfloat16)
+    x = Inputs(q=torch.randn(1, 32, 1, 128, dtype=torch.bfloat16), k=k, v=k)
+    with mock.patch.object(launch_decode, "MAX_GRID", 20):
+        plan = launch_decode.prepare(p, x, 132, splits=64)
+    assert plan.grid == 16 and plan.splits == 2
 
 
 def test_decode_compiles_without_spills_for_sm_90a():

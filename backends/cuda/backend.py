@@ -37,7 +37,8 @@ class CudaBackend(Backend):
     description = ("FlashAttention in CUDA C++ compiled at run time by NVRTC through CuPy, NVIDIA sm_80..sm_90, "
                    "fp16/bf16: FlashAttention-2 kernels (mma.sync, ldmatrix, cp.async) for Ampere/Ada; on Hopper "
                    "warp-specialised wgmma + TMA kernels (FlashAttention-3 style): the forward, and the "
-                   "backward up to head dim 128 (the Ampere backward above)")
+                   "backward up to head dim 128 (the Ampere backward above); a split-KV decode kernel for "
+                   "cache and paged keys (forward, up to 16 queries per sequence)")
     device_types = frozenset({"cuda"})
     vendors = frozenset({"nvidia"})
     min_capability = _LOWEST           # the span of the kernel families (families.py)
@@ -45,6 +46,8 @@ class CudaBackend(Backend):
     dtypes = frozenset({torch.float16, torch.bfloat16})
     max_head_dim = HEAD_DIM_TILES[-1]
     mask_kinds = frozenset()          # dense masks are not implemented in the kernels
+    # cache and paged keys: the split-KV decode kernel (launch_decode.py), forward only, <= 16 queries
+    formats = frozenset({("dense", "dense"), ("dense", "cache"), ("dense", "paged")})
     supports_mask_grad = False
     # The default backwards add dQ with fp32 atomics. Deterministic problems the Hopper backward covers run
     # its ordered-dQ variant (fixed order of key blocks per query block): 148/148 cases bitwise-identical
@@ -84,6 +87,10 @@ class CudaBackend(Backend):
         family = family_for(p.capability)
         if family is None:  # the declared capability range has gaps only if the families do
             return reasons + [f"no kernel family for {p.arch}"]
+        if p.kv_format != "dense":
+            from .launch_decode import decode_reasons
+
+            return reasons + decode_reasons(p)
         mod = score_mod(p)
         bf16 = p.dtype == torch.bfloat16
         shared = max_shared(p.capability)
@@ -131,6 +138,12 @@ class CudaBackend(Backend):
                 "kernels loaded": kernels}
 
     def forward(self, p, x):
+        from .launch_decode import runs_decode
+
+        if runs_decode(p):
+            from .launch_decode import forward as decode_forward
+
+            return decode_forward(p, x)
         from .launch import forward
 
         return forward(p, x)

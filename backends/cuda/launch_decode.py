@@ -1,9 +1,9 @@
 """Launcher of the cuda backend's split-KV decode forward (kernels/sm80/fa_decode.cu, both families).
 
-NOT DISPATCHED: `CudaBackend` still declines the cache and paged formats and runs dense decoding on
-its forward kernels. This module is reached only through `forward` below, from
-benchmarks/cuda_decode.py, until a GPU has checked it (`python -m benchmarks.cuda_decode check`,
-then `time`; backends/cuda/NOTES.md, "Split-KV decode").
+`CudaBackend` runs it for every forward-only call it accepts with cache or paged keys, and for dense
+calls of up to `MAX_SEQLEN_Q` queries (`runs_decode`); `decode_reasons` declines what it cannot do.
+Checked on the H200 2026-12-02 (`python -m benchmarks.cuda_decode check`: 118/118 cases; sanitizer
+clean; timings in benchmarks/results/h200-2026-12-02, backends/cuda/NOTES.md "Split-KV decode").
 
 One kernel block per (split, batch, kv head, 16 rows of the GQA group's heads x queries); splits
 write float32 partials that `attnx_decode_combine` merges (as `attnx.merge`). The number of splits
@@ -26,7 +26,8 @@ from attnx.inputs import Inputs
 from attnx.limits import kernel_window
 
 from .families import family_for, nvrtc_arch
-from .launch import _check_grid, _strides, _strides_ok, _vector, family_tile, kernel_operand, round8, score_mod
+from .launch import (MAX_GRID, _check_grid, _strides, _strides_ok, _vector, family_tile, kernel_operand, round8,
+                     score_mod)
 from .variants import Variant, decode_combine_variant, decode_variant, max_shared
 
 MAX_SEQLEN_Q = 16     # query rows per sequence the kernel is built for (one 16-row mma tile per head)
@@ -73,6 +74,32 @@ def num_splits(programs: int, slots: int, capacity: int, split_unit: int) -> int
         eff.append(waves / math.ceil(waves))
     best = max(eff)
     return next(s for s, e in enumerate(eff, start=1) if e >= 0.85 * best)
+
+
+def runs_decode(p) -> bool:
+    """Whether `CudaBackend` runs `p` on this kernel: cache and paged keys always (the forward kernels
+    take dense keys only), dense ones for forward-only calls of at most `MAX_SEQLEN_Q` queries, where
+    one 128-query tile per head would waste most of its rows."""
+    if p.kv_format != "dense":
+        return True
+    return (not p.needs_grad and p.q_format == "dense" and p.mask_kind is None and 1 <= p.seqlen_q <= MAX_SEQLEN_Q
+            and decode_variant_for(p) is not None)
+
+
+def decode_reasons(p) -> list[str]:
+    """Why the kernel cannot run `p` with cache or paged keys (the backend's declarations cover dtype,
+    masks and q's format)."""
+    reasons = []
+    if p.needs_grad:
+        reasons.append("cache and paged keys are forward-only here (the decode kernel has no backward)")
+    if p.seqlen_q > MAX_SEQLEN_Q:
+        reasons.append(f"cache and paged keys take at most {MAX_SEQLEN_Q} queries per sequence here "
+                       f"(the decode kernel's tile), got {p.seqlen_q}")
+    elif p.batch * p.heads_kv * -(-(p.group_size * p.seqlen_q) // ROWS_PER_BLOCK) > MAX_GRID:
+        reasons.append("too many decode blocks for one launch")
+    if decode_variant_for(p) is None:
+        reasons.append(f"no decode tile for head dims {p.head_dim}/{p.head_dim_v} on {p.arch}")
+    return reasons
 
 
 def decode_variant_for(p) -> Optional[Variant]:
@@ -161,7 +188,7 @@ def prepare(p, x: Inputs, sm_count: int, *, splits: Optional[int] = None,
     unit = variant.warps * variant.block_n  # a split is whole rounds of every warp's key block
     if splits is None:
         splits = num_splits(programs, sm_count * blocks_per_sm(variant, p.capability), capacity, unit)
-    splits = max(1, min(int(splits), max(1, -(-capacity // unit))))
+    splits = max(1, min(int(splits), max(1, -(-capacity // unit)), max(1, MAX_GRID // max(programs, 1))))
     split_keys = -(-max(capacity, 1) // splits)
     split_keys = -(-split_keys // unit) * unit
     splits = max(1, -(-capacity // split_keys))
