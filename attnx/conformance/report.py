@@ -51,12 +51,14 @@ def markdown(results: list[Result], meta: dict) -> str:
         lines += ["## Failures", ""]
         lines += [f"- `{r.case.id}`: " + " | ".join(f.splitlines()[0] for f in r.failures) for r in failed]
         lines.append("")
-    lines += ["## Cases", "", "Errors are max abs errors vs float64; each cell is `error / bound`.", "",
+    lines += ["## Cases", "", "Errors are max abs errors vs float64; each cell is `error / bound` (`(2x naive)`: a float32 "
+              "bound of 2 x the naive backend's error on the same inputs).", "",
               "| case | status | out | lse | dq | dk | dv | dmask | s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         cells = []
         for name in ("out", "lse", "dq", "dk", "dv", "dmask"):
-            cells.append(f"{_fmt(r.errors[name])} / {_fmt(r.bounds[name])}" if name in r.errors else "")
+            rule = f" ({r.bound_rules[name]})" if name in r.bound_rules else ""  # float32: 2 x naive's error
+            cells.append(f"{_fmt(r.errors[name])} / {_fmt(r.bounds[name])}{rule}" if name in r.errors else "")
         status = r.status if r.status != "declined" else "declined: " + "; ".join(r.reasons)
         lines.append(f"| `{r.case.id}` | {status} | " + " | ".join(cells) + f" | {r.seconds:.2f} |")
     return "\n".join(lines) + "\n"
