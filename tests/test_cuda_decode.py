@@ -154,8 +154,10 @@ def test_splits_keep_the_grid_in_one_launch():
     p = _decode_problem("dense", batch=1)  # 8 blocks per split (8 kv heads, 4 query heads each)
     k = torch.randn(1, 8, 4096, 128, dtype=torch.bfloat16)
     x = Inputs(q=torch.randn(1, 32, 1, 128, dtype=torch.bfloat16), k=k, v=k)
+    launch_decode._split_plan.cache_clear()  # (the split decision is cached per problem)
     with mock.patch.object(launch_decode, "MAX_GRID", 20):
         plan = launch_decode.prepare(p, x, 132, splits=64)
+    launch_decode._split_plan.cache_clear()
     assert plan.grid == 16 and plan.splits == 2
 
 

@@ -14,6 +14,7 @@ is checked or clamped here or in the kernel: lengths to [0, capacity], page entr
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -48,12 +49,16 @@ DECODE_PARAMS_DTYPE = np.dtype([(n, np.uint64) for n in _POINTERS] + [(n, np.int
                                + [(n, np.int32) for n in _INTS] + [(n, np.float32) for n in _FLOATS], align=True)
 
 
+_FIELDS = DECODE_PARAMS_DTYPE.names
+
+
 def pack_decode_params(**values):
-    """A by-value `DecodeParams` argument; fields not given are zero (null pointers)."""
-    record = np.zeros((), DECODE_PARAMS_DTYPE)
-    for name, value in values.items():
-        record[name] = value
-    return record[()]
+    """A by-value `DecodeParams` argument; fields not given are zero (null pointers). Built from one tuple
+    in field order (a decode step's host time is mostly this launcher)."""
+    unknown = values.keys() - set(_FIELDS)
+    if unknown:
+        raise KeyError(f"no DecodeParams fields {sorted(unknown)}")
+    return np.array(tuple(values.get(name, 0) for name in _FIELDS), DECODE_PARAMS_DTYPE)[()]
 
 
 def blocks_per_sm(variant: Variant, capability) -> int:
@@ -102,6 +107,7 @@ def decode_reasons(p) -> list[str]:
     return reasons
 
 
+@functools.lru_cache(maxsize=1024)
 def decode_variant_for(p) -> Optional[Variant]:
     found = family_tile(p, "decode")
     if found is None:
@@ -134,6 +140,25 @@ def _check(p) -> None:
         raise InvalidArgumentError(f"the decode kernel runs float16/bfloat16, got {p.dtype}")
     if not 1 <= p.seqlen_q <= MAX_SEQLEN_Q:
         raise InvalidArgumentError(f"the decode kernel takes 1..{MAX_SEQLEN_Q} queries, got {p.seqlen_q}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _split_plan(p, variant: Variant, capacity: int, sm_count: int, splits: Optional[int]):
+    """(row chunks, splits, keys per split, grid, combine variant or None): a decode loop over one cache asks
+    the same question every layer and step, so the answer is kept."""
+    row_chunks = -(-(p.group_size * p.seqlen_q) // ROWS_PER_BLOCK)
+    programs = p.batch * p.heads_kv * row_chunks
+    unit = variant.warps * variant.block_n  # a split is whole rounds of every warp's key block
+    if splits is None:
+        splits = num_splits(programs, sm_count * blocks_per_sm(variant, p.capability), capacity, unit)
+    splits = max(1, min(int(splits), max(1, -(-capacity // unit)), max(1, MAX_GRID // max(programs, 1))))
+    split_keys = -(-max(capacity, 1) // splits)
+    split_keys = -(-split_keys // unit) * unit
+    splits = max(1, -(-capacity // split_keys))
+    grid = splits * programs
+    _check_grid(grid)
+    combine = decode_combine_variant(family_for(p.capability), p.dtype == torch.bfloat16) if splits > 1 else None
+    return row_chunks, splits, split_keys, grid, combine
 
 
 def prepare(p, x: Inputs, sm_count: int, *, splits: Optional[int] = None,
@@ -183,21 +208,8 @@ def prepare(p, x: Inputs, sm_count: int, *, splits: Optional[int] = None,
         keep.append(sinks)
 
     rows = p.batch * p.heads_q * p.seqlen_q
-    row_chunks = -(-(p.group_size * p.seqlen_q) // ROWS_PER_BLOCK)
-    programs = p.batch * p.heads_kv * row_chunks
-    unit = variant.warps * variant.block_n  # a split is whole rounds of every warp's key block
-    if splits is None:
-        splits = num_splits(programs, sm_count * blocks_per_sm(variant, p.capability), capacity, unit)
-    splits = max(1, min(int(splits), max(1, -(-capacity // unit)), max(1, MAX_GRID // max(programs, 1))))
-    split_keys = -(-max(capacity, 1) // splits)
-    split_keys = -(-split_keys // unit) * unit
-    splits = max(1, -(-capacity // split_keys))
-    grid = splits * programs
-    _check_grid(grid)
-    combine = None
+    row_chunks, splits, split_keys, grid, combine = _split_plan(p, variant, capacity, sm_count, splits)
     if splits > 1:
-        family = family_for(p.capability)
-        combine = decode_combine_variant(family, p.dtype == torch.bfloat16)
         part_o = torch.empty(splits, rows, dv, device=q.device, dtype=torch.float32)
         part_lse = torch.empty(splits, rows, device=q.device, dtype=torch.float32)
         keep += [part_o, part_lse]
