@@ -116,6 +116,21 @@ def test_cuda_kernel_choice_and_rank(options, kernel, rank):
         assert BACKEND.rank(p.bucketed()) == rank
 
 
+@pytest.mark.parametrize("options, kernel, rank", [
+    (dict(), "cudnn", 97), (dict(seqlen_k=131072, heads_kv=4), "cudnn", 97),
+    (dict(wants_lse=True), "flash", 50), (dict(seqlen_k=2048), "flash", 50), (dict(head_dim=64), "flash", 50),
+    (dict(seqlen=2), "flash", 50), (dict(arch="sm_80"), "flash", 50), (dict(causal=True), None, None),
+])
+def test_cuda_decoding_runs_cudnn_where_measured(options, kernel, rank):
+    """One new token against a long cache without lse: cuDNN (GQA included), ahead of the cuda backend's
+    decode kernel (96), as measured on the H200 2026-12-02; anything unmeasured keeps flash at 50."""
+    options = {"seqlen": 1, "seqlen_k": 32768, "heads_kv": 1, "wants_lse": False, **options}
+    p = _cuda_problem(**options)
+    assert bool(BACKEND.reasons(p)) == (kernel is None)
+    if kernel is not None:
+        assert torch_cuda.kernel_name(p) == kernel and BACKEND.rank(p.bucketed()) == rank
+
+
 def test_cuda_deterministic_backward_is_declined():
     p = _cuda_problem(needs_grad=True, deterministic=True)
     assert any("deterministic" in r for r in BACKEND.declared_reasons(p))

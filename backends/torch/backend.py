@@ -76,7 +76,8 @@ class TorchBackend(Backend):
         return []
 
     def rank(self, p: Problem) -> int:
-        """95 on sm_90 where cuDNN was measured fastest (97 without lse, where it beat cuda); CPU: 15 with a mask.
+        """95 on sm_90 where cuDNN was measured fastest (97 without lse, where it beat cuda, decoding
+        included: `cuda.cudnn_decodes`); CPU: 15 with a mask.
 
         95 is just above triton's 90 (H200: cuDNN 1.3-1.7x triton, MHA, D 64/128, S >= 512, with
         gradients; forward-only with lse only where `cuda.cudnn_forward_wins`: computing lse slows
@@ -84,6 +85,8 @@ class TorchBackend(Backend):
         forward also beat the cuda backend's (96) at d64 and up to 4k tokens: 97 there. On CPUs
         blocked (20) skips the hidden tiles instead of masking them: 1.5-5x faster there.
         """
+        if p.device_type == "cuda" and cuda.cudnn_decodes(p):
+            return 97  # ahead of the cuda backend's decode kernel (96), measured
         if p.device_type == "cuda" and cuda.cudnn_wins(p):
             if not p.wants_lse:  # cuDNN's own forward, no lse: ahead of triton; of cuda (96) where faster
                 return 97 if cuda.cudnn_beats_hopper_forward(p) else 95

@@ -48,6 +48,24 @@ def cudnn_wins(p: Problem) -> bool:
             and length_bucket(min(p.seqlen_q, p.seqlen_k)) >= CUDNN_MIN_SEQLEN)
 
 
+DECODE_MIN_SEQLEN_K = 4096      # the shortest cache measured (benchmarks/results/h200-2026-12-02)
+
+
+def cudnn_decodes(p: Problem) -> bool:
+    """One-token decoding calls without lse that cuDNN ran fastest on the H200 (2026-12-02, bf16, d128,
+    32 query / 8 kv heads, 4k-128k keys, B 1-64): 1.03-1.22x the cuda backend's decode kernel and
+    1.0-2.1x SDPA's flash (benchmarks/results/h200-2026-12-02/decode-cuda-time.log). GQA is cuDNN's own
+    (K/V read once per kv head). Not measured, so not claimed: lse, several queries, d64, shorter caches."""
+    return (p.arch == "sm_90" and p.dtype in HALF and not p.wants_lse and p.seqlen_q == 1
+            and p.head_dim == p.head_dim_v == 128
+            and length_bucket(p.seqlen_k) >= DECODE_MIN_SEQLEN_K)
+
+
+def runs_cudnn(p: Problem) -> bool:
+    """Whether `p` runs on cuDNN (else on FlashAttention-2)."""
+    return cudnn_wins(p) or cudnn_decodes(p)
+
+
 def cudnn_beats_hopper_forward(p: Problem) -> bool:
     """Forward-only problems without lse where cuDNN's forward beat the cuda backend's Hopper forward
     on the H200 (2026-12-01, bf16, SDPA-cuDNN beside attnx.cuda in one run): d64 at every length
@@ -90,7 +108,7 @@ def forward(p: Problem, x: Inputs):
     and the NaN rows need no mapping (their out is NaN already)."""
     q, k, v = _operands(x)
     causal = uses_is_causal(p)
-    if cudnn_wins(p):
+    if runs_cudnn(p):
         result = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, p.wants_lse, 0.0, causal, False, scale=p.scale)
     else:
@@ -160,4 +178,4 @@ def backward(p: Problem, x: Inputs, out, lse, dout) -> Grads:
 
 def kernel_name(p: Problem) -> str:
     """Which torch kernel runs an accepted CUDA problem `p`: "cudnn" or "flash"."""
-    return "cudnn" if cudnn_wins(p) else "flash"
+    return "cudnn" if runs_cudnn(p) else "flash"
