@@ -2,7 +2,8 @@
 # One device call running named steps in order under one deadline (a call may last 10 minutes).
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda paper hopper-check hopper-time det-check det-time sanitize
-#        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short
+#        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
+#        fuzz-triton-more
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -29,7 +30,8 @@ for step in "$@"; do
     case "$step" in
     tests) run_step tests 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_deterministic.py \
                tests/test_index_bounds.py tests/test_index_validation.py tests/test_kvcache_object.py \
-               tests/test_cuda_gpu.py tests/test_compat_torch_backend.py tests/test_call_memo.py ;;
+               tests/test_cuda_gpu.py tests/test_compat_torch_backend.py tests/test_call_memo.py \
+               tests/test_gpu_integration.py tests/test_torch_declarations.py ;;
     hopper-check) run_step hopper-check 220 python3 -m benchmarks.hopper_backward check ;;
     hopper-time) [ -n "${passed[hopper-check]:-}" ] && run_step hopper-time 200 \
                python3 -m benchmarks.hopper_backward time --seqlens 4096,16384 ;;
@@ -69,13 +71,27 @@ for step in "$@"; do
             python3 -m attnx.conformance.fuzz --backend triton --space gpu --device cuda --count 250 \
                 --seed $seed --time-limit 380 --report "$0/fuzz-triton" > "$0/logs/fuzz-triton-$seed.txt" 2>&1 &
             done; wait; tail -n 3 "$0"/logs/fuzz-triton-*.txt' "$out" ;;
+    # issue 13 item 5: S = 2**20, tensors past 2**31 elements, grids past 65535 (cuda; triton's autotuning is slow)
+    huge) run_step huge 200 python3 -m benchmarks.huge --backends cuda,triton --scale full --max-seconds 170 \
+               --out "$out/huge" ;;
+    # the ordered dQ's spinning turns under memcheck and synccheck (racecheck sees shared memory only)
+    sanitize-ordered) run_step sanitize-ordered 150 bash -c 'for tool in memcheck synccheck; do
+            compute-sanitizer --tool $tool --report-api-errors no python3 -m benchmarks.hopper_backward check \
+                --configs ordered --max-scores 100000 > "$0/logs/$tool-ordered.txt" 2>&1
+            echo "$tool ordered: $(grep -c "Invalid\|Barrier error" "$0/logs/$tool-ordered.txt") findings, $(grep "cases passed" "$0/logs/$tool-ordered.txt")"
+            done' "$out" ;;
+    # more triton fuzz seeds (9-20) for the 2,000-problem count, 85 s each in parallel
+    fuzz-triton-more) run_step fuzz-triton-more 110 bash -c 'for seed in 9 10 11 12 13 14 15 16 17 18 19 20; do
+            python3 -m attnx.conformance.fuzz --backend triton --space gpu --device cuda --count 250 \
+                --seed $seed --time-limit 85 --report "$0/fuzz-triton" > "$0/logs/fuzz-triton-$seed.txt" 2>&1 &
+            done; wait; tail -qn 2 "$0"/logs/fuzz-triton-*.txt' "$out" ;;
     decode-cuda) run_step decode-cuda-check 150 python3 -m benchmarks.cuda_decode check
             [ -n "${passed[decode-cuda-check]:-}" ] && run_step decode-cuda-time 200 python3 -m benchmarks.cuda_decode time ;;
     *) echo "$step: unknown step" >> "$out/summary.txt" ;;
     esac
 done
 
-for d in paper fuzz-triton; do [ -d "$out/$d" ] && tar -C "$out" -czf "$out/$d.tgz" "$d" && rm -rf "${out:?}/$d"; done
+for d in paper fuzz-triton huge; do [ -d "$out/$d" ] && tar -C "$out" -czf "$out/$d.tgz" "$d" && rm -rf "${out:?}/$d"; done
 tar -C "$out" -czf "$out/logs.tgz" logs
 for f in "$out"/logs/*.log; do echo "== $(basename "$f")"; tail -25 "$f"; done >> "$out/summary.txt"
 rm -rf "$out/logs"  # (in logs.tgz: only 8 files come back from a call)
