@@ -67,6 +67,9 @@ class Backend:
     supports_offset: ClassVar[bool] = False               # an explicit (not bottom-right) alignment
     supports_sinks: ClassVar[bool] = False
     formats: ClassVar[frozenset] = frozenset({("dense", "dense")})  # (q format, kv format) pairs
+    # the pairs of `formats` whose backward exists; None: all of them (a forward-only format, e.g. a
+    # decode kernel's cache and paged keys, is left out here)
+    backward_formats: ClassVar[Optional[frozenset]] = None
     # Where the backend stands, by device class (most specific key wins: "cuda:sm_90",
     # "cuda:nvidia", "cuda", "*"); higher runs first. Set from measurements (docs/backends.md).
     priority: ClassVar[Mapping[str, int]] = {"*": 0}
@@ -194,7 +197,7 @@ DECLARATION_NAMES = frozenset({
     "head_dim_multiple", "supports_dv_differs", "supports_gqa", "supports_causal", "supports_window",
     "causal_needs_equal_lengths", "mask_kinds", "supports_mask_grad", "supports_alibi", "supports_softcap",
     "supports_backward", "deterministic", "backward_uses_given_lse", "uses_tf32", "supports_offset", "supports_sinks",
-    "formats"})
+    "formats", "backward_formats"})
 
 
 class Declarations:
@@ -283,6 +286,8 @@ def declared_reasons(d, p: Problem) -> list[str]:
                        + ", ".join(f"{qf}/{kf}" for qf, kf in sorted(d.formats)) + ")")
     if p.needs_grad and not d.supports_backward:
         reasons.append("backward (inputs require grad) not supported")
+    elif p.needs_grad and d.backward_formats is not None and (p.q_format, p.kv_format) not in d.backward_formats:
+        reasons.append(f"backward with q={p.q_format}, k/v={p.kv_format} tensors not supported (forward only)")
     elif p.deterministic and not d.deterministic:
         reasons.append("backward is not deterministic, and the call requires one (deterministic=True or "
                        "torch.use_deterministic_algorithms(True))")

@@ -93,7 +93,9 @@ ROWS = (
     ("explicit offset", lambda b: _yes(b.supports_offset)),
     ("attention sinks", lambda b: _yes(b.supports_sinks)),
     ("formats (q / k,v)", lambda b: ", ".join(f"{q}/{kv}" for q, kv in sorted(b.formats))),
-    ("backward", lambda b: _yes(b.supports_backward)),
+    ("backward", lambda b: _yes(b.supports_backward) + (
+        " (" + ", ".join(f"{q}/{kv}" for q, kv in sorted(b.backward_formats)) + " only)"
+        if b.supports_backward and b.backward_formats is not None else "")),
     ("deterministic", lambda b: _yes(b.deterministic)),
     ("priority", lambda b: ", ".join(f"{cls} {rank}" for cls, rank in b.priority.items())),
     ("other limits", _extra_limits),

@@ -134,8 +134,8 @@ def test_cache_and_paged_keys_run_the_decode_kernel(kv_format):
     p = _decode_problem(kv_format)
     assert not backend.declared_reasons(p) and not backend.extra_reasons(p)
     assert launch_decode.runs_decode(p) and backend.rank(p) > attnx.get_backend("triton").rank(p)
-    declined = {"backward": _decode_problem(kv_format, needs_grad=True),
-                "at most 16 queries": _decode_problem(kv_format, seqlen_q=17),
+    assert any("forward only" in r for r in backend.declared_reasons(_decode_problem(kv_format, needs_grad=True)))
+    declined = {"at most 16 queries": _decode_problem(kv_format, seqlen_q=17),
                 "no decode tile": _decode_problem(kv_format, head_dim=512, head_dim_v=512)}
     for words, q in declined.items():
         assert any(words in r for r in backend.extra_reasons(q)), (words, backend.extra_reasons(q))

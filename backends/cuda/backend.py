@@ -48,6 +48,7 @@ class CudaBackend(Backend):
     mask_kinds = frozenset()          # dense masks are not implemented in the kernels
     # cache and paged keys: the split-KV decode kernel (launch_decode.py), forward only, <= 16 queries
     formats = frozenset({("dense", "dense"), ("dense", "cache"), ("dense", "paged")})
+    backward_formats = frozenset({("dense", "dense")})
     supports_mask_grad = False
     # The default backwards add dQ with fp32 atomics. Deterministic problems the Hopper backward covers run
     # its ordered-dQ variant (fixed order of key blocks per query block): 148/148 cases bitwise-identical

@@ -93,10 +93,8 @@ def runs_decode(p) -> bool:
 
 def decode_reasons(p) -> list[str]:
     """Why the kernel cannot run `p` with cache or paged keys (the backend's declarations cover dtype,
-    masks and q's format)."""
+    masks, q's format and the backward: `CudaBackend.backward_formats`)."""
     reasons = []
-    if p.needs_grad:
-        reasons.append("cache and paged keys are forward-only here (the decode kernel has no backward)")
     if p.seqlen_q > MAX_SEQLEN_Q:
         reasons.append(f"cache and paged keys take at most {MAX_SEQLEN_Q} queries per sequence here "
                        f"(the decode kernel's tile), got {p.seqlen_q}")
