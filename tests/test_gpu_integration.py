@@ -76,8 +76,8 @@ def test_custom_ops_pass_opcheck():
 
     q, k, v = _qkv(requires_grad=True, s=64)
     scalars = dict(causal=True, window_left=None, window_right=0, offset=None, scale=None, softcap=None,
-                   layout="bhsd", max_seqlen_q=None, max_seqlen_k=None, backend="", grads=[True, True, True, False,
-                                                                                           False])
+                   layout="bhsd", max_seqlen_q=None, max_seqlen_k=None, deterministic=None, backend="",
+                   grads=[n in ("q", "k", "v") for n in attnx.Inputs.field_names() if n in attnx.Inputs.DIFFERENTIABLE])
     tensors = [q, k, v] + [None] * (len(attnx.Inputs.field_names()) - 3)
     torch.library.opcheck(torch.ops.attnx.attention_fwd.default, (*tensors, *(scalars[n] for n, _ in SCALARS)),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
