@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more
+#        fuzz-triton-more profile-calls sanitize-grid
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -85,6 +85,17 @@ for step in "$@"; do
             python3 -m attnx.conformance.fuzz --backend triton --space gpu --device cuda --count 250 \
                 --seed $seed --time-limit 85 --report "$0/fuzz-triton" > "$0/logs/fuzz-triton-$seed.txt" 2>&1 &
             done; wait; tail -qn 2 "$0"/logs/fuzz-triton-*.txt' "$out" ;;
+    # where the time goes: an eager cache/paged decode call's host side (cProfile), the torch backend's
+    # training step against SDPA-cuDNN at 1k tokens (torch.profiler tables)
+    profile-calls) run_step profile-calls 150 bash -c 'for fmt in cache paged; do
+            python3 -m benchmarks.call_profile decode --format $fmt; done
+            for d in 64 128; do python3 -m benchmarks.call_profile training --seqlen 1024 --head-dim $d; done' ;;
+    # the conformance grid of the cuda backend under each compute-sanitizer tool (issue 13: full grid)
+    sanitize-grid) run_step sanitize-grid 500 bash -c 'for tool in memcheck synccheck racecheck initcheck; do
+            timeout 120 compute-sanitizer --tool $tool --report-api-errors no python3 -m attnx.conformance \
+                --backend cuda --profile full --device cuda -q > "$0/logs/grid-$tool.txt" 2>&1
+            echo "$tool: rc=$? $(grep -c "Invalid\|Race reported.*attnx\|Barrier error\|Uninitialized" "$0/logs/grid-$tool.txt") findings; $(tail -n 3 "$0/logs/grid-$tool.txt" | grep cases)"
+            done' "$out" ;;
     decode-cuda) run_step decode-cuda-check 150 python3 -m benchmarks.cuda_decode check
             [ -n "${passed[decode-cuda-check]:-}" ] && run_step decode-cuda-time 200 python3 -m benchmarks.cuda_decode time ;;
     *) echo "$step: unknown step" >> "$out/summary.txt" ;;

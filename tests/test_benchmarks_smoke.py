@@ -80,3 +80,16 @@ def test_quick_overhead_asks_the_backends_once_per_length_bucket(tmp_path):
     assert growing["attnx"]["backend_asks_per_sweep"] == 2
     assert growing["null"]["backend_asks_per_sweep"] == 101
     assert set(growing["null"]["median_us_by_bucket"]) == {"1024", "2048"}
+
+
+def test_call_profile_reports_the_pick_and_the_tables(capsys):
+    """benchmarks/call_profile.py on the CPU (on the H200 it profiles the cuda decode call's host time and
+    the torch backend's training step beside SDPA-cuDNN)."""
+    from benchmarks import call_profile
+
+    assert call_profile.main(["decode", "--device", "cpu", "--calls", "3", "--keys", "64", "--format", "paged"]) == 0
+    out = capsys.readouterr().out
+    assert "the dispatcher picks blocked" in out and "ms per eager call" in out and "tottime" in out
+    assert call_profile.main(["training", "--device", "cpu", "--seqlen", "32", "--tokens", "64", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("ms per step") == 2 and "attnx picks" in out
