@@ -31,7 +31,7 @@ for step in "$@"; do
     tests) run_step tests 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_deterministic.py \
                tests/test_index_bounds.py tests/test_index_validation.py tests/test_kvcache_object.py \
                tests/test_cuda_gpu.py tests/test_compat_torch_backend.py tests/test_call_memo.py \
-               tests/test_gpu_integration.py tests/test_torch_declarations.py ;;
+               tests/test_gpu_integration.py tests/test_torch_declarations.py tests/test_compat_transformers.py ;;
     hopper-check) run_step hopper-check 220 python3 -m benchmarks.hopper_backward check ;;
     hopper-time) [ -n "${passed[hopper-check]:-}" ] && run_step hopper-time 200 \
                python3 -m benchmarks.hopper_backward time --seqlens 4096,16384 ;;

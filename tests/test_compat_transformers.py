@@ -80,6 +80,22 @@ def test_logits_and_greedy_generation_match(name, model_name):
     assert torch.equal(tokens, theirs.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("model_name", MODELS)
+def test_gpu_bf16_logits_and_greedy_generation_match(name, model_name):
+    """The same models in bfloat16 on a GPU (issue 12: on the H200): logits within bf16 rounding of the
+    reference implementation's, the same greedy tokens."""
+    model, config, reference = MODELS[model_name]
+    ours, theirs = (_build(model, config, impl).to("cuda", torch.bfloat16) for impl in (name, reference))
+    ids, mask = (t.cuda() for t in _batch())
+    with torch.no_grad():
+        got, want = ours(ids, attention_mask=mask).logits, theirs(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    torch.testing.assert_close(got[keep].float(), want[keep].float(), atol=3e-2, rtol=3e-2)
+    tokens = ours.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(tokens, theirs.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False))
+
+
 def test_static_cache_generation_matches(name):
     model, config, reference = MODELS["llama"]
     ours, theirs = _build(model, config, name), _build(model, config, reference)
