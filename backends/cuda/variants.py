@@ -51,6 +51,9 @@ class Variant(NamedTuple):
                               # counters): bitwise-deterministic dq (opt-in, not dispatched)
     atomic_dq: bool = True  # bwd: the dK pass adds dQ with fp32 atomics (False: the deterministic backward's
                             # dK/dV kernel, whose dQ is the bwd_dq pass)
+    exact_alpha: bool = False  # fwd (both families): the online softmax's rescale factor from the rounded
+                               # shifts (EXACT_ALPHA, common/softmax.cuh): lse exact over many key blocks
+                               # (opt-in, not dispatched; benchmarks/lse_precision.py)
 
     @property
     def threads(self) -> int:
@@ -87,6 +90,8 @@ class Variant(NamedTuple):
             d.update(DO_DV=int(self.do_dv), DO_DK=int(self.do_dk), DQ_ATOMIC=int(self.atomic_dq))
         else:
             d.update(KV_STAGES=self.stages)
+        if self.kernel == "fwd":
+            d["EXACT_ALPHA"] = int(self.exact_alpha)
         if self.hopper_forward:
             d.update(OVERLAP=int(self.overlap), PINGPONG=int(self.pingpong))
             del d["BLOCK_M"], d["NUM_WARPS"]  # fixed by the kernel's warpgroup roles
@@ -133,6 +138,7 @@ class Variant(NamedTuple):
                   if self.hopper_backward else "")
         stages = f" s{self.stages}" if self.kernel in ("fwd", "bwd_dq", "decode") else ""
         stages += ("+overlap" if self.overlap else "") + ("+pingpong" if self.pingpong else "")
+        stages += "+exactalpha" if self.exact_alpha else ""
         tile = f"d{self.head_dim} {self.block_m}x{self.block_n} w{self.warps}{stages}"
         return f"{self.family} {self.kernel} {tile} {flags}"
 

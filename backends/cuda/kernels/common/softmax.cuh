@@ -20,6 +20,25 @@ DEVI float quad_sum(float x) {
 // becomes the max; its exp2 is NaN and the NaN reaches the row's sum (see softmax_finish).
 DEVI float max_shift(float row_max, float unit) { return row_max == neg_inf() ? 0.f : row_max * unit; }
 
+// The exponent of the factor that takes a row's running sum (and accumulator) from the old max to the
+// new one, whose shift is `shift` (max_shift of the new max). The old p values were exp2(x * unit -
+// max_shift(old_max, unit)), a rounded shift, so the factor must use the rounded old shift. Written as
+// `old_max * unit - shift`, NVRTC's default -fmad=true fuses it into one FFMA whose product is not
+// rounded: while the max stays, the factor is 2^(old_max * unit - round(old_max * unit)) != 1, a bias
+// of up to half an ulp of the shift per key block that compounds over the blocks (lse 2.7e-3 off at
+// 8192 blocks on the H200, out unaffected: benchmarks/lse_precision.py). EXACT_ALPHA=1 rounds the
+// product first (the factor is then exactly 1 while the max stays; -inf old max: exp2(-inf) = 0).
+#ifndef EXACT_ALPHA
+#define EXACT_ALPHA 0
+#endif
+DEVI float rescale_exponent(float old_max, float unit, float shift) {
+#if EXACT_ALPHA
+  return __fmul_rn(old_max, unit) - shift;
+#else
+  return old_max * unit - shift;
+#endif
+}
+
 // The sink logit of head h (natural units), -inf when the call has none.
 DEVI float sink_logit(const AttnParams& p, int h) { return p.sinks ? p.sinks[h] : neg_inf(); }
 

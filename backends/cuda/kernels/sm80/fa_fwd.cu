@@ -7,6 +7,7 @@
 // Compile-time knobs (NVRTC -D): IS_BF16, HEAD_DIM (padded tile), BLOCK_M,
 // BLOCK_N, NUM_WARPS, SCORE_MOD (softcap and/or ALiBi present, or a scale <= 0), KV_STAGES
 // (2: K/V double-buffered, loads issued a block ahead, two barriers per block instead of four).
+// EXACT_ALPHA (opt-in): the rescale factor from the rounded shifts (common/softmax.cuh `rescale_exponent`).
 #include "common/mask.cuh"
 #include "common/score_mod.cuh"
 #include "common/softmax.cuh"
@@ -182,7 +183,7 @@ DEVI void attention_forward(const AttnParams& p) {
         for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
         mx = quad_max(mx);
         const float m_scaled = max_shift(mx, unit);
-        const float alpha = exp2_approx(row_max[mt][r] * unit - m_scaled);
+        const float alpha = exp2_approx(rescale_exponent(row_max[mt][r], unit, m_scaled));
         row_max[mt][r] = mx;
         float sum = 0.f;
 #pragma unroll

@@ -19,7 +19,8 @@
 // The shared-memory tiles are TMA's 128-byte swizzle: panels of 64 columns x rows, 1024-byte atoms.
 //
 // Compile-time knobs (NVRTC -D): IS_BF16, HEAD_DIM (tile: 64, 128, 192, 256), BLOCK_N (keys per
-// block), SCORE_MOD (softcap / ALiBi / scale <= 0), KV_STAGES, OVERLAP, PINGPONG.
+// block), SCORE_MOD (softcap / ALiBi / scale <= 0), KV_STAGES, OVERLAP, PINGPONG, EXACT_ALPHA (opt-in:
+// the rescale factor from the rounded shifts, common/softmax.cuh `rescale_exponent`).
 #include "common/mask.cuh"
 #include "common/score_mod.cuh"
 #include "common/softmax.cuh"
@@ -166,7 +167,7 @@ DEVI void softmax_block(float (&x)[BN / 2], u32 (&pa)[BN / 16][4], Rows& r, floa
     for (int c = 0; c < BN / 8; ++c) mx = fmaxf(mx, fmaxf(x[4 * c + 2 * half], x[4 * c + 2 * half + 1]));
     mx = quad_max(mx);
     shift[half] = max_shift(mx, unit);
-    alpha[half] = exp2_approx(r.max[half] * unit - shift[half]);
+    alpha[half] = exp2_approx(rescale_exponent(r.max[half], unit, shift[half]));
     r.max[half] = mx;
   }
   float sum[2] = {0.f, 0.f};
