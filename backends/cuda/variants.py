@@ -54,6 +54,8 @@ class Variant(NamedTuple):
     exact_alpha: bool = False  # fwd (both families): the online softmax's rescale factor from the rounded
                                # shifts (EXACT_ALPHA, common/softmax.cuh): lse exact over many key blocks
                                # (opt-in, not dispatched; benchmarks/lse_precision.py)
+    varlen: bool = False  # Ampere fwd: packed q and k/v through cu_seqlens (VARLEN, common/varlen.cuh; a second
+                          # kernel argument; `varlen_forward_variant`, launch_varlen; opt-in, not dispatched)
 
     @property
     def threads(self) -> int:
@@ -92,6 +94,8 @@ class Variant(NamedTuple):
             d.update(KV_STAGES=self.stages)
         if self.kernel == "fwd":
             d["EXACT_ALPHA"] = int(self.exact_alpha)
+            if not self.hopper_forward:  # only the Ampere forward has the knob
+                d["VARLEN"] = int(self.varlen)
         if self.hopper_forward:
             d.update(OVERLAP=int(self.overlap), PINGPONG=int(self.pingpong))
             del d["BLOCK_M"], d["NUM_WARPS"]  # fixed by the kernel's warpgroup roles
@@ -139,6 +143,7 @@ class Variant(NamedTuple):
         stages = f" s{self.stages}" if self.kernel in ("fwd", "bwd_dq", "decode") else ""
         stages += ("+overlap" if self.overlap else "") + ("+pingpong" if self.pingpong else "")
         stages += "+exactalpha" if self.exact_alpha else ""
+        stages += "+varlen" if self.varlen else ""
         tile = f"d{self.head_dim} {self.block_m}x{self.block_n} w{self.warps}{stages}"
         return f"{self.family} {self.kernel} {tile} {flags}"
 
@@ -246,6 +251,14 @@ def forward_variant(family: Family, bf16: bool, tile: int, score_mod: bool, max_
         if v.hopper_forward or t.stages == 1 or 2 * v.shared_bytes() <= max_shared:
             return v
     return None
+
+
+def varlen_forward_variant(bf16: bool, tile: int, score_mod: bool, max_shared: int) -> Variant | None:
+    """The Ampere forward built for packed q and k/v (VARLEN=1): the tile `forward_variant` picks for the
+    Ampere family on a GPU of `max_shared`. Both families run it (sm_90 builds it for sm_90a: the Hopper
+    forward's TMA tiles have no varlen path). Not in any launcher table (launch_varlen, not dispatched)."""
+    v = forward_variant(FAMILIES["sm80"], bf16, tile, score_mod, max_shared)
+    return v._replace(varlen=True) if v is not None else None
 
 
 def backward_variants(family: Family, bf16: bool, tile: int, score_mod: bool,

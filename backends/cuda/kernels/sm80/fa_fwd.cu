@@ -8,14 +8,28 @@
 // BLOCK_N, NUM_WARPS, SCORE_MOD (softcap and/or ALiBi present, or a scale <= 0), KV_STAGES
 // (2: K/V double-buffered, loads issued a block ahead, two barriers per block instead of four).
 // EXACT_ALPHA (opt-in): the rescale factor from the rounded shifts (common/softmax.cuh `rescale_exponent`).
+// VARLEN (opt-in, 0 by default): packed q and k/v (common/varlen.cuh). The kernel then takes a
+// VarlenParams after the AttnParams; block b of the grid runs packed sequence b as a dense batch of
+// one, blocks past the sequence's last row exit, lse is (Hq, total_q). VARLEN=0 builds the dense
+// kernel exactly as before (the code under `#if VARLEN` only).
+#ifndef VARLEN
+#define VARLEN 0
+#endif
 #include "common/mask.cuh"
 #include "common/score_mod.cuh"
 #include "common/softmax.cuh"
 #include "sm80/ptx.cuh"
 #include "sm80/tiles.cuh"
+#if VARLEN
+#include "common/varlen.cuh"
+#endif
 
 template <bool BF16, int HD, int BM, int BN, int NW, bool MOD, int STAGES>
+#if VARLEN
+DEVI void attention_forward(const AttnParams& call, const VarlenParams& packed) {
+#else
 DEVI void attention_forward(const AttnParams& p) {
+#endif
   constexpr int THREADS = NW * 32;
   constexpr int MT = BM / (16 * NW);  // 16-row m-tiles per warp
   constexpr int NT = BN / 8;          // n-tiles of the score tile
@@ -34,11 +48,22 @@ DEVI void attention_forward(const AttnParams& p) {
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
+#if VARLEN
+  const int nblk = call.num_blocks;  // blocks of the longest sequence
+  const int bh = blockIdx.x / nblk;
+  const int mb = nblk - 1 - (blockIdx.x - bh * nblk);
+  const int b = bh / call.heads_q, h = bh - b * call.heads_q, hk = h / call.group;
+  const int m0 = mb * BM;
+  const PackedSequence seq = packed_sequence(call, packed, b);
+  if (m0 >= seq.p.seqlen_q) return;  // the rows past this sequence's end are the next one's: write nothing
+  const AttnParams& p = seq.p;       // from here on: the sequence as a dense batch of one
+#else
   const int nblk = p.num_blocks;
   const int bh = blockIdx.x / nblk;
   const int mb = nblk - 1 - (blockIdx.x - bh * nblk);  // heaviest (causal) blocks first
   const int b = bh / p.heads_q, h = bh - b * p.heads_q, hk = h / p.group;
   const int m0 = mb * BM;
+#endif
   const Visibility vis = visibility(p);
   const int Sq = vis.seqlen_q, Sk = vis.seqlen_k;
 
@@ -240,7 +265,11 @@ DEVI void attention_forward(const AttnParams& p) {
 
   cp_wait<0>();
   __syncthreads();  // sQ is reused to stage the output
+#if VARLEN
+  float* lse = p.lse + (long long)h * packed.total_q + seq.q_start;  // (Hq, total_q)
+#else
   float* lse = p.lse + (long long)bh * Sq;
+#endif
   const float sink = sink_logit(p, h);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -262,6 +291,12 @@ DEVI void attention_forward(const AttnParams& p) {
   store_tile<BM, HD, THREADS>(o, p.o_rs, sQ, m0, Sq, p.head_dim_v, tid);
 }
 
+#if VARLEN
+extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32) attnx_fwd(const AttnParams p, const VarlenParams vp) {
+  attention_forward<IS_BF16 != 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, SCORE_MOD != 0, KV_STAGES>(p, vp);
+}
+#else
 extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32) attnx_fwd(const AttnParams p) {
   attention_forward<IS_BF16 != 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, SCORE_MOD != 0, KV_STAGES>(p);
 }
+#endif
