@@ -472,14 +472,16 @@ def test_shared_pool_hands_pages_out_as_sequences_grow(page_size):
 
 
 def test_serving_page_format_table_matches_the_backends_declarations():
-    """docs/serving.md's 'Which backend computes what' table says what each backend's `formats` declares."""
+    """docs/serving.md's 'Which backend computes what' table says what each backend's `formats` (and
+    `backward_formats`: "forward" cells) declares."""
     lines = [line for line in PAGE.read_text().splitlines() if line.startswith("| ")]
     header = [cell.strip(" `") for cell in lines[0].strip("|").split("|")]
     assert header[0].startswith("format")
     rows = {"dense / dense": [("dense", "dense")],
             "packed / packed (`cu_seqlens_q`, `cu_seqlens_k`)": [("varlen", "varlen")],
-            "dense or packed / cache (`seqlens_k`)": [("dense", "cache"), ("varlen", "cache")],
-            "dense or packed / paged (`page_table`, any page size >= 1)": [("dense", "paged"), ("varlen", "paged")]}
+            "dense / cache (`seqlens_k`)": [("dense", "cache")],
+            "dense / paged (`page_table`, any page size >= 1)": [("dense", "paged")],
+            "packed / cache or paged": [("varlen", "cache"), ("varlen", "paged")]}
     backends = attnx.registered_backends()
     seen = set()
     for line in lines[2:2 + len(rows)]:
@@ -487,9 +489,13 @@ def test_serving_page_format_table_matches_the_backends_declarations():
         pairs = rows[cells[0]]
         seen.add(cells[0])
         for name, cell in zip(header[1:], cells[1:]):
-            declared = all(pair in backends[name].formats for pair in pairs)
-            assert cell.startswith("yes") == declared, f"{cells[0]} / {name}: page says {cell!r}"
-            assert cell.startswith("yes") or cell == "declines", cell
+            backend = backends[name]
+            declared = all(pair in backend.formats for pair in pairs)
+            forward_only = declared and backend.backward_formats is not None and not all(
+                pair in backend.backward_formats for pair in pairs)
+            assert cell.startswith(("yes", "forward")) == declared, f"{cells[0]} / {name}: page says {cell!r}"
+            assert cell.startswith("forward") == forward_only, f"{cells[0]} / {name}: page says {cell!r}"
+            assert cell.startswith(("yes", "forward")) or cell == "declines", cell
     assert seen == set(rows) and set(header[1:]) == set(backends)
 
 
