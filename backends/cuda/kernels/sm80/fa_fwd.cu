@@ -9,9 +9,9 @@
 // (2: K/V double-buffered, loads issued a block ahead, two barriers per block instead of four).
 // EXACT_ALPHA (opt-in): the rescale factor from the rounded shifts (common/softmax.cuh `rescale_exponent`).
 // VARLEN (opt-in, 0 by default): packed q and k/v (common/varlen.cuh). The kernel then takes a
-// VarlenParams after the AttnParams; block b of the grid runs packed sequence b as a dense batch of
-// one, blocks past the sequence's last row exit, lse is (Hq, total_q). VARLEN=0 builds the dense
-// kernel exactly as before (the code under `#if VARLEN` only).
+// VarlenParams after the AttnParams; batch entry b of the grid is packed sequence b (its lengths,
+// offset and first rows), blocks past its last row exit, lse is (Hq, total_q). VARLEN=0 compiles
+// to the same cubin as before the knob (everything it adds is under `#if VARLEN`).
 #ifndef VARLEN
 #define VARLEN 0
 #endif
@@ -26,7 +26,7 @@
 
 template <bool BF16, int HD, int BM, int BN, int NW, bool MOD, int STAGES>
 #if VARLEN
-DEVI void attention_forward(const AttnParams& call, const VarlenParams& packed) {
+DEVI void attention_forward(const AttnParams& p, const VarlenParams& packed) {
 #else
 DEVI void attention_forward(const AttnParams& p) {
 #endif
@@ -48,28 +48,29 @@ DEVI void attention_forward(const AttnParams& p) {
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
-#if VARLEN
-  const int nblk = call.num_blocks;  // blocks of the longest sequence
-  const int bh = blockIdx.x / nblk;
-  const int mb = nblk - 1 - (blockIdx.x - bh * nblk);
-  const int b = bh / call.heads_q, h = bh - b * call.heads_q, hk = h / call.group;
-  const int m0 = mb * BM;
-  const PackedSequence seq = packed_sequence(call, packed, b);
-  if (m0 >= seq.p.seqlen_q) return;  // the rows past this sequence's end are the next one's: write nothing
-  const AttnParams& p = seq.p;       // from here on: the sequence as a dense batch of one
-#else
   const int nblk = p.num_blocks;
   const int bh = blockIdx.x / nblk;
   const int mb = nblk - 1 - (blockIdx.x - bh * nblk);  // heaviest (causal) blocks first
   const int b = bh / p.heads_q, h = bh - b * p.heads_q, hk = h / p.group;
   const int m0 = mb * BM;
-#endif
+#if VARLEN
+  // packed sequence b: the grid covers the longest; rows past this one's end are the next one's
+  const PackedSeq seq = packed_sequence(packed, p.key_offset, b);
+  if (m0 >= seq.info.seqlen_q) return;
+  const Visibility vis{seq.info.seqlen_q, seq.info.seqlen_k, seq.info.offset, p.window_left, p.window_right};
+  const int Sq = vis.seqlen_q, Sk = vis.seqlen_k;  // every load below stops at these rows
+
+  const u16* q = (const u16*)p.q + seq.q_start * p.q_rs + h * p.q_hs;
+  const u16* k = (const u16*)p.k + seq.k_start * p.k_rs + hk * p.k_hs;
+  const u16* v = (const u16*)p.v + seq.k_start * p.v_rs + hk * p.v_hs;
+#else
   const Visibility vis = visibility(p);
   const int Sq = vis.seqlen_q, Sk = vis.seqlen_k;
 
   const u16* q = (const u16*)p.q + b * p.q_bs + h * p.q_hs;
   const u16* k = (const u16*)p.k + b * p.k_bs + hk * p.k_hs;
   const u16* v = (const u16*)p.v + b * p.v_bs + hk * p.v_hs;
+#endif
 
   // key blocks that any row of this query block can see
   int key_lo, key_hi;
@@ -85,7 +86,12 @@ DEVI void attention_forward(const AttnParams& p) {
 
   // log2 units per score unit: without a score mod the scores stay raw q.k (scale > 0 there)
   const float unit = MOD ? 1.f : p.scale_log2;
+#if VARLEN
+  ScoreMod mod = score_mod(p, b, h);  // ALiBi slopes are (B, Hq): per sequence
+  mod.offset = seq.info.offset;
+#else
   const ScoreMod mod = score_mod(p, b, h);
+#endif
 
   float acc[MT][DT][4];
   float row_max[MT][2], row_sum[MT][2];
@@ -287,7 +293,11 @@ DEVI void attention_forward(const AttnParams& p) {
       if (t4 == 0 && row < Sq) lse[row] = row_lse;
     }
   __syncthreads();
+#if VARLEN
+  u16* o = (u16*)p.o + seq.q_start * p.o_rs + h * p.o_hs;
+#else
   u16* o = (u16*)p.o + b * p.o_bs + h * p.o_hs;
+#endif
   store_tile<BM, HD, THREADS>(o, p.o_rs, sQ, m0, Sq, p.head_dim_v, tid);
 }
 

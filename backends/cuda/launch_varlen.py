@@ -1,0 +1,150 @@
+"""Launcher of the Ampere forward built for packed (varlen) q and k/v (kernels/sm80/fa_fwd.cu, VARLEN=1).
+
+Written offline 2026-12-02 and NOT dispatched: `CudaBackend` still declines the varlen formats until
+`python -m benchmarks.cuda_varlen check` passes on a GPU (backends/cuda/NOTES.md "Varlen forward").
+Both families run it (sm_90 builds the Ampere kernel for sm_90a). Forward only.
+
+The kernel takes the usual `AttnParams` (packed tensors: batch strides 0) and a `VarlenParams` record
+(cu_seqlens pointers, the packed lengths, the alignment). The grid is B x Hq x the query blocks of the
+longest sequence (`Problem.seqlen_q`, i.e. max_seqlen_q); a block past its sequence's end exits. The
+kernel clamps every cu_seqlens value into [0, total], so no index value reads or writes outside the
+buffers; rows that no (clamped) sequence covers are left as they are (bad cu_seqlens: wrong numbers,
+as documented for triton).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from attnx.autograd import alloc_out
+from attnx.errors import InvalidArgumentError
+from attnx.inputs import Inputs
+from attnx.limits import MAX_SEQLEN
+
+from .families import AMPERE, family_for, nvrtc_arch
+from .launch import _check_grid, _common, _strides_ok, _vector, kernel_operand, round8, score_mod
+from .params import pack_params
+from .variants import Variant, head_dim_tile, max_shared, varlen_forward_variant
+
+# common/varlen.cuh VarlenParams: 8-byte fields, then 4-byte fields, in the C order
+VARLEN_PARAMS_DTYPE = np.dtype([("cu_seqlens_q", np.uint64), ("cu_seqlens_k", np.uint64), ("total_q", np.int32),
+                                ("total_k", np.int32), ("align_br", np.int32)], align=True)
+
+
+def pack_varlen_params(**values):
+    """A by-value `VarlenParams` argument; fields not given are zero."""
+    record = np.zeros((), VARLEN_PARAMS_DTYPE)
+    for name, value in values.items():
+        record[name] = value
+    return record[()]
+
+
+@functools.lru_cache(maxsize=1024)
+def varlen_variant_for(p) -> Optional[Variant]:
+    """The VARLEN=1 forward for `p` on its GPU (the Ampere tile set, whichever family covers the GPU), or None."""
+    if family_for(p.capability) is None:
+        return None
+    tile = head_dim_tile(round8(p.head_dim), round8(p.head_dim_v), AMPERE, "fwd")
+    if tile is None:
+        return None
+    return varlen_forward_variant(p.dtype == torch.bfloat16, tile, score_mod(p), max_shared(p.capability))
+
+
+def varlen_reasons(p) -> list[str]:
+    """Why the kernel cannot run `p` (formats, dtype, mask, gradients and head dims; an empty list: it can)."""
+    reasons = []
+    if (p.q_format, p.kv_format) != ("varlen", "varlen"):
+        reasons.append(f"the varlen kernel takes packed q and k/v, got q {p.q_format}, kv {p.kv_format}")
+    if p.needs_grad:
+        reasons.append("the varlen kernel is forward only (no varlen backward in the cuda backend)")
+    if p.mask_kind is not None:
+        reasons.append("the varlen kernel takes no mask tensor")
+    if p.dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"the varlen kernel runs float16/bfloat16, got {p.dtype}")
+    if varlen_variant_for(p) is None:
+        reasons.append(f"no varlen forward tile for head dims {p.head_dim}/{p.head_dim_v} on {p.arch}")
+    return reasons
+
+
+def runs_varlen(p) -> bool:
+    """Whether this kernel could run `p` (what routing in backend.py would ask; not wired there yet)."""
+    return not varlen_reasons(p)
+
+
+class VarlenLaunch(NamedTuple):
+    """Everything one varlen forward launches, prepared on the host (no GPU needed to build it)."""
+    variant: Variant
+    args: np.void        # AttnParams
+    varlen: np.void      # VarlenParams
+    grid: int            # B x Hq x query blocks of the longest sequence
+    out: torch.Tensor    # (total_q, Hq, Dv)
+    out_k: torch.Tensor  # what the kernel writes (out itself when it can): (total_q, Hq, round8(Dv))
+    lse: torch.Tensor    # (Hq, total_q)
+    keep: tuple          # tensors the records point into
+
+
+def _packed_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, head, row) strides of a packed (total, H, D) tensor: no batch dim (0); 0 for dims of size 1."""
+    return 0, t.stride(1) if t.shape[1] > 1 else 0, t.stride(0) if t.shape[0] > 1 else 0
+
+
+def _index(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def prepare(p, x: Inputs, *, variant: Optional[Variant] = None) -> VarlenLaunch:
+    """The launch of one varlen forward on backend-view inputs `x`; `variant` overrides the tile. Builds the
+    outputs and both records; launches nothing."""
+    reasons = [r for r in varlen_reasons(p) if variant is None or "tile" not in r]
+    if reasons:
+        raise InvalidArgumentError("; ".join(reasons))
+    variant = variant or varlen_variant_for(p)
+    d, dv = round8(p.head_dim), round8(p.head_dim_v)
+    total_q, total_k = x.q.shape[0], x.k.shape[0]
+    if max(total_q, total_k) >= MAX_SEQLEN:  # the kernel's positions (and per-sequence offsets) are int32
+        raise InvalidArgumentError(f"packed lengths {total_q}/{total_k} at or above {MAX_SEQLEN}")
+    q, k, v = kernel_operand(x.q, d), kernel_operand(x.k, d), kernel_operand(x.v, dv)
+    x = x.replace(alibi_slopes=_vector(x.alibi_slopes), sinks=_vector(x.sinks))
+    out = alloc_out(p, q)
+    out_k = out if (dv == p.head_dim_v and _strides_ok(out) and out.data_ptr() % 16 == 0) else \
+        q.new_empty(total_q, p.heads_q, dv)
+    lse = torch.empty(p.heads_q, total_q, device=q.device, dtype=torch.float32)
+    cu_q, cu_k = _index(x.cu_seqlens_q), _index(x.cu_seqlens_k)
+
+    blocks_per_head = math.ceil(p.seqlen_q / variant.block_m)
+    grid = p.batch * p.heads_q * blocks_per_head
+    _check_grid(grid)
+    (qb, qh, qr), (kb, kh, kr), (vb, vh, vr), (ob, oh, orow) = map(_packed_strides, (q, k, v, out_k))
+    fields = _common(p, x)
+    fields["key_offset"] = p.offset if p.offset is not None else 0  # (align_br adds Sk_b - Sq_b per sequence)
+    args = pack_params(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=out_k.data_ptr(), lse=lse.data_ptr(),
+                       q_bs=qb, q_hs=qh, q_rs=qr, k_bs=kb, k_hs=kh, k_rs=kr, v_bs=vb, v_hs=vh, v_rs=vr,
+                       o_bs=ob, o_hs=oh, o_rs=orow, num_blocks=blocks_per_head, **fields)
+    varlen = pack_varlen_params(cu_seqlens_q=cu_q.data_ptr(), cu_seqlens_k=cu_k.data_ptr(), total_q=total_q,
+                                total_k=total_k, align_br=int(p.offset is None))
+    keep = tuple(t for t in (q, k, v, out_k, lse, cu_q, cu_k, x.alibi_slopes, x.sinks) if t is not None)
+    return VarlenLaunch(variant, args, varlen, grid, out, out_k, lse, keep)
+
+
+def forward(p, x: Inputs, *, variant: Optional[Variant] = None, poison: bool = False):
+    """(out (total_q, Hq, Dv), lse (Hq, total_q)) of one varlen forward; `poison` fills both with NaN first,
+    so an element the kernel fails to write shows up in a check."""
+    from .compile import get_kernel
+    from .launch import _device_index, _launch
+
+    device_index = _device_index(x.q)
+    plan = prepare(p, x, variant=variant)
+    if poison:
+        plan.out_k.fill_(float("nan"))
+        plan.lse.fill_(float("nan"))
+    if plan.grid > 0:
+        kernel = get_kernel(plan.variant, nvrtc_arch(p.capability), device_index)
+        _launch(kernel, plan.grid, plan.variant.threads, plan.variant.shared_bytes(), (plan.args, plan.varlen),
+                device_index)
+    if plan.out_k is not plan.out:
+        plan.out.copy_(plan.out_k[..., : p.head_dim_v])
+    return plan.out, plan.lse
