@@ -3,6 +3,7 @@
     python -m benchmarks.cuda_varlen check               # every length x feature row vs the float64 formula
     python -m benchmarks.cuda_varlen time                # TFLOP/s beside the dense kernel and triton's varlen
     python -m benchmarks.cuda_varlen check --self-test   # the harness on the CPU (float32 formula as kernel)
+    python -m benchmarks.cuda_varlen check --emulate     # the CPU, the launcher's records, the kernel's indexing
 
 `check` prints one numbered line per case (worst error of out and lse beside the bound: twice the error
 of the formula computed in the inputs' dtype and in float32, plus 1e-3, as benchmarks/cuda_decode.py),
@@ -233,6 +234,83 @@ def check(all_cases, forward, device, only=None) -> bool:
     return run_numbered(todo, head_of, check_case, device)
 
 
+# -- emulation: the kernel's index arithmetic in torch, on the records the launcher packs ---------------
+def emulate(plan) -> None:
+    """Write plan.out_k and plan.lse as fa_fwd.cu (VARLEN=1) does from `plan` (launch_varlen.prepare): the
+    same blocks, clamped cu_seqlens, early exits, key blocks and masks, in float32. Reads and writes memory
+    only through the records' pointers, strides and sizes (an offset outside a buffer raises)."""
+    from .cuda_decode import _at, _storage
+
+    r = {name: plan.args[name].item() for name in plan.args.dtype.names}
+    vr = {name: plan.varlen[name].item() for name in plan.varlen.dtype.names}
+    by_ptr = {t.data_ptr(): t for t in plan.keep}
+    mem = {name: _storage(by_ptr[r[name]]) for name in ("q", "k", "v", "o", "lse", "alibi", "sinks") if r[name]}
+    cu_q, cu_k = (_storage(by_ptr[vr[n]]) for n in ("cu_seqlens_q", "cu_seqlens_k"))
+    bm, bn = plan.variant.block_m, plan.variant.block_n
+    d, dv, log2e, ar = r["head_dim"], r["head_dim_v"], 1.4426950408889634, torch.arange
+
+    def span(cu, b, total):
+        start = min(max(int(_at(cu, torch.tensor(b))), 0), total)
+        return start, min(max(int(_at(cu, torch.tensor(b + 1))), start), total)
+
+    for blk in range(plan.grid):
+        bh, rest = divmod(blk, r["num_blocks"])
+        b, h = divmod(bh, r["heads_q"])
+        hk, m0 = h // r["group"], (r["num_blocks"] - 1 - rest) * bm
+        (q0, q1), (k0, k1) = span(cu_q, b, vr["total_q"]), span(cu_k, b, vr["total_k"])
+        sq, sk = q1 - q0, k1 - k0
+        if m0 >= sq:
+            continue
+        offset = r["key_offset"] + (sk - sq if vr["align_br"] else 0)
+        rows = ar(m0, min(m0 + bm, sq))
+        lo = max(0, m0 + offset - r["window_left"])
+        hi = min(sk - 1, rows[-1].item() + offset + r["window_right"])
+        keys = ar(lo // bn * bn, (hi // bn + 1) * bn) if hi >= lo else ar(0)
+        live = keys < sk
+        q = _at(mem["q"], (q0 * r["q_rs"] + h * r["q_hs"] + rows * r["q_rs"])[:, None] + ar(d))
+        kt, vt = torch.zeros(len(keys), d), torch.zeros(len(keys), dv)
+        if live.any():  # (an empty k has no storage to read)
+            kt[live] = _at(mem["k"], (k0 * r["k_rs"] + hk * r["k_hs"] + keys[live] * r["k_rs"])[:, None] + ar(d))
+            vt[live] = _at(mem["v"], (k0 * r["v_rs"] + hk * r["v_hs"] + keys[live] * r["v_rs"])[:, None] + ar(dv))
+        s = q @ kt.T * r["scale"]
+        if r["softcap"] > 0:
+            s = r["softcap"] * torch.tanh(s * r["softcap_inv"])
+        if "alibi" in mem:
+            slope = _at(mem["alibi"], torch.tensor(b * r["alibi_bs"] + h * r["alibi_hs"]))
+            s = s - slope * (rows[:, None] + offset - keys[None, :]).abs().float()
+        pos = rows[:, None] + offset
+        seen = live[None, :] & (keys[None, :] >= pos - r["window_left"]) & (keys[None, :] <= pos + r["window_right"])
+        s = torch.where(seen, s * log2e, torch.tensor(float("-inf")))
+        sink = _at(mem["sinks"], torch.tensor(h)) * log2e if "sinks" in mem else torch.tensor(float("-inf"))
+        top = torch.maximum(torch.where(s.isnan(), float("-inf"), s).amax(1) if len(keys) else
+                            torch.full((len(rows),), float("-inf")), sink)
+        shift = torch.where(top == float("-inf"), torch.zeros_like(top), top)
+        pr = torch.exp2(s - shift[:, None])
+        total = pr.sum(1) + torch.exp2(sink - shift)
+        empty = total == 0
+        out = torch.where(empty[:, None], 0.0, (pr @ vt) / total[:, None])
+        lse = torch.where(empty, sink / log2e, (shift + torch.log2(total)) / log2e)
+        o_off = (q0 * r["o_rs"] + h * r["o_hs"] + rows * r["o_rs"])[:, None] + ar(dv)
+        _at(mem["o"], o_off)  # (bounds)
+        mem["o"][o_off] = out.to(mem["o"].dtype)
+        l_off = h * vr["total_q"] + q0 + rows
+        _at(mem["lse"], l_off)
+        mem["lse"][l_off] = lse
+
+
+def emulated_forward(p, xv, built: Built):
+    """--emulate: the launcher's host side (`prepare`, as for an H200) and the kernel's arithmetic emulated."""
+    from attnx.backends.cuda import launch_varlen
+
+    plan = launch_varlen.prepare(p._replace(device_type="cuda", vendor="nvidia", arch="sm_90"), xv)
+    plan.out_k.fill_(float("nan"))
+    plan.lse.fill_(float("nan"))
+    emulate(plan)
+    if plan.out_k is not plan.out:
+        plan.out.copy_(plan.out_k[..., : p.head_dim_v])
+    return plan.out, plan.lse
+
+
 # -- time ---------------------------------------------------------------------------------------------
 def _pairs(lens: list, causal: bool) -> int:
     """Query-key pairs the formula evaluates (bottom-right causal with Sq = Sk: the lower triangle)."""
@@ -294,10 +372,13 @@ def main(argv=None) -> int:
     parser.add_argument("--seqs", type=int, default=16, help="time: sequences of the packed batch")
     parser.add_argument("--heads", default="16,16", help="time: Hq,Hkv")
     parser.add_argument("--dims", default="64,128", help="time: head dims")
+    parser.add_argument("--emulate", action="store_true",
+                        help="check on the CPU: the launcher's host side and the kernel's index arithmetic emulated")
     args = parser.parse_args(argv)
     if args.what == "check":
-        if args.self_test:
-            return 0 if check(cases(), stand_in_forward, "cpu", args.only) else 1
+        if args.self_test or args.emulate:
+            forward = emulated_forward if args.emulate else stand_in_forward
+            return 0 if check(cases(), forward, "cpu", args.only) else 1
         return 0 if check(cases(), kernel_forward, "cuda", args.only) else 1
     hq, hkv = (int(h) for h in args.heads.split(","))
     time_all(args.total, hq, hkv, tuple(int(d) for d in args.dims.split(",")), args.seqs)

@@ -2,8 +2,9 @@
 (common/varlen.cuh, launch_varlen.py; written offline 2026-12-02, not dispatched).
 
 What runs without a GPU: the check harness with the float32 formula as the kernel (`--self-test`) and
-proof that it catches a key read past a sequence and a row written outside every sequence; the
-launcher's host side (records, grid, strides, padding); the VarlenParams record against the C struct;
+proof that it catches a key read past a sequence and a row written outside every sequence; every case
+with the launcher's records and the kernel's index arithmetic emulated (`--emulate`); the launcher's
+host side (records, grid, strides, padding); the VarlenParams record against the C struct;
 the knob's defines (every table asks VARLEN=0) and a compile of the VARLEN=1 kernel for sm_80 and
 sm_90a. The kernel itself runs in `python -m benchmarks.cuda_varlen check` on a GPU.
 """
@@ -61,6 +62,28 @@ def test_harness_catches_a_row_written_outside_the_sequences():
         return out, lse
 
     assert not cuda_varlen.check([c for c in cuda_varlen.cases() if c.name == "nan tail d64"], scribbler, "cpu")
+
+
+def test_emulated_kernel_passes_every_case(capsys):
+    """Every case of the GPU check with the launcher's records and the kernel's index arithmetic emulated
+    (clamped cu_seqlens, early exits, key blocks, masks; a read or write outside a buffer raises)."""
+    assert cuda_varlen.main(["check", "--emulate"]) == 0
+    n = len(cuda_varlen.cases())
+    assert f"{n} of {n} cases passed" in capsys.readouterr().out
+
+
+def test_emulation_catches_a_wrong_alignment(monkeypatch):
+    """The emulation reads the records: a launcher that forgot per-sequence bottom-right alignment fails."""
+    real = cuda_varlen.emulate
+
+    def top_left(plan):
+        varlen = plan.varlen.copy()
+        varlen["align_br"] = 0
+        return real(plan._replace(varlen=varlen))
+
+    monkeypatch.setattr(cuda_varlen, "emulate", top_left)
+    cases = [c for c in cuda_varlen.cases() if c.name == "causal"]
+    assert not cuda_varlen.check(cases, cuda_varlen.emulated_forward, "cpu")
 
 
 def test_record_matches_the_c_struct():
