@@ -1,6 +1,7 @@
 // Lengths and alignment of the sequence a thread block works on (docs/semantics.md:
 // query i sits at aligned position i + offset). Dense batches share one set, read from
-// the parameters; this is the one place a kernel learns them.
+// the parameters; this is the one place a kernel learns them. Packed (varlen) sequences learn
+// theirs from cu_seqlens in common/varlen.cuh (the Ampere forward built with VARLEN=1).
 #pragma once
 #include "common/base.cuh"
 #include "common/params.cuh"
