@@ -21,13 +21,7 @@ from benchmarks import cuda_decode
 
 
 def _nvrtc() -> str:
-    try:
-        from cuda.bindings import nvrtc
-
-        nvrtc.nvrtcVersion()
-    except Exception as err:  # not installed, or libnvrtc missing
-        return f"NVRTC unavailable: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
-    return ""
+    return nvrtc_check.unavailable_reason()
 
 
 def test_self_test_harness_passes(capsys):

@@ -21,15 +21,7 @@ BACKEND = attnx.get_backend("cuda")
 
 
 def _nvrtc_available() -> str:
-    try:
-        from cuda.bindings import nvrtc
-    except ImportError:
-        return "cuda-bindings is not installed (pip install cuda-bindings)"
-    try:
-        nvrtc.nvrtcVersion()
-    except Exception as err:  # the bindings load libnvrtc lazily
-        return f"libnvrtc not found (pip install nvidia-cuda-nvrtc): {str(err).splitlines()[0]}"
-    return ""
+    return nvrtc_check.unavailable_reason()
 
 
 def _compile(args):

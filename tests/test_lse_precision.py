@@ -37,13 +37,7 @@ def test_model_causal_rows_see_fewer_blocks():
 
 
 def _nvrtc() -> str:
-    try:
-        from cuda.bindings import nvrtc
-
-        nvrtc.nvrtcVersion()
-    except Exception as err:  # not installed, or libnvrtc missing
-        return f"NVRTC unavailable: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
-    return ""
+    return nvrtc_check.unavailable_reason()
 
 
 def test_exact_alpha_is_opt_in():

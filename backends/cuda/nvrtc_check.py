@@ -10,6 +10,19 @@ from .compile import kernel_source, nvrtc_options
 from .variants import Variant
 
 
+def unavailable_reason() -> str:
+    """Why NVRTC cannot compile here ("" when it can): what a test skips with."""
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError:
+        return "cuda-bindings is not installed (pip install cuda-bindings)"
+    try:
+        nvrtc.nvrtcVersion()
+    except Exception as err:  # noqa: BLE001 - the bindings load libnvrtc lazily
+        return f"libnvrtc not found (pip install nvidia-cuda-nvrtc): {str(err).splitlines()[0] if str(err) else err!r}"
+    return ""
+
+
 def compile_source(source: str, name: str, options) -> tuple[bool, str, int]:
     """(ok, log, cubin bytes) of one NVRTC compile of `source` with `options`."""
     from cuda.bindings import nvrtc
