@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more profile-calls sanitize-grid
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -80,6 +80,11 @@ for step in "$@"; do
                 --configs ordered --max-scores 100000 > "$0/logs/$tool-ordered.txt" 2>&1
             echo "$tool ordered: $(grep -c "Invalid\|Barrier error" "$0/logs/$tool-ordered.txt") findings, $(grep "cases passed" "$0/logs/$tool-ordered.txt")"
             done' "$out" ;;
+    # the cuda backend's fuzz since its decode kernel took cache and paged keys: 8 seeds x 250 in parallel
+    fuzz-cuda) run_step fuzz-cuda 300 bash -c 'for seed in 21 22 23 24 25 26 27 28; do
+            python3 -m attnx.conformance.fuzz --backend cuda --space gpu --device cuda --count 250 \
+                --seed $seed --time-limit 270 --report "$0/fuzz-cuda" > "$0/logs/fuzz-cuda-$seed.txt" 2>&1 &
+            done; wait; tail -qn 2 "$0"/logs/fuzz-cuda-*.txt' "$out" ;;
     # more triton fuzz seeds (9-20) for the 2,000-problem count, 85 s each in parallel
     fuzz-triton-more) run_step fuzz-triton-more 110 bash -c 'for seed in 9 10 11 12 13 14 15 16 17 18 19 20; do
             python3 -m attnx.conformance.fuzz --backend triton --space gpu --device cuda --count 250 \
@@ -102,7 +107,7 @@ for step in "$@"; do
     esac
 done
 
-for d in paper fuzz-triton huge; do [ -d "$out/$d" ] && tar -C "$out" -czf "$out/$d.tgz" "$d" && rm -rf "${out:?}/$d"; done
+for d in paper fuzz-triton fuzz-cuda huge; do [ -d "$out/$d" ] && tar -C "$out" -czf "$out/$d.tgz" "$d" && rm -rf "${out:?}/$d"; done
 tar -C "$out" -czf "$out/logs.tgz" logs
 for f in "$out"/logs/*.log; do echo "== $(basename "$f")"; tail -25 "$f"; done >> "$out/summary.txt"
 rm -rf "$out/logs"  # (in logs.tgz: only 8 files come back from a call)
