@@ -166,6 +166,8 @@ def test_reasons_and_no_dispatch():
     assert any("float16/bfloat16" in r for r in launch_varlen.varlen_reasons(p._replace(dtype=torch.float32)))
     assert any("tile" in r for r in launch_varlen.varlen_reasons(p._replace(head_dim=512, head_dim_v=512)))
     assert launch_varlen.runs_varlen(p._replace(arch="sm_80"))
+    assert any("too many query blocks" in r for r in launch_varlen.varlen_reasons(p._replace(seqlen_q=1 << 27,
+                                                                                            heads_q=1024)))
     # not dispatched until a GPU has checked it (backends/cuda/NOTES.md "Varlen forward")
     assert ("varlen", "varlen") not in attnx.get_backend("cuda").formats
 

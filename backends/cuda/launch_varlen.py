@@ -26,6 +26,7 @@ from attnx.inputs import Inputs
 from attnx.limits import MAX_SEQLEN
 
 from .families import AMPERE, family_for, nvrtc_arch
+from . import launch
 from .launch import _check_grid, _common, _strides_ok, _vector, kernel_operand, round8, score_mod
 from .params import pack_params
 from .variants import Variant, head_dim_tile, max_shared, varlen_forward_variant
@@ -65,8 +66,11 @@ def varlen_reasons(p) -> list[str]:
         reasons.append("the varlen kernel takes no mask tensor")
     if p.dtype not in (torch.float16, torch.bfloat16):
         reasons.append(f"the varlen kernel runs float16/bfloat16, got {p.dtype}")
-    if varlen_variant_for(p) is None:
+    variant = varlen_variant_for(p)
+    if variant is None:
         reasons.append(f"no varlen forward tile for head dims {p.head_dim}/{p.head_dim_v} on {p.arch}")
+    elif p.batch * p.heads_q * math.ceil(p.seqlen_q / variant.block_m) > launch.MAX_GRID:
+        reasons.append("too many query blocks for one launch (sequences x heads x blocks of the longest)")
     return reasons
 
 
