@@ -22,13 +22,7 @@ from benchmarks import cuda_varlen
 
 
 def _nvrtc() -> str:
-    try:
-        from cuda.bindings import nvrtc
-
-        nvrtc.nvrtcVersion()
-    except Exception as err:  # not installed, or libnvrtc missing
-        return f"NVRTC unavailable: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
-    return ""
+    return nvrtc_check.unavailable_reason()
 
 
 SOME = ("lengths Sq=Sk causal", "empty ends", "no keys at all", "nan tail", "garbage cu_seqlens causal",
