@@ -51,7 +51,7 @@ class Variant(NamedTuple):
                               # counters): bitwise-deterministic dq (opt-in, not dispatched)
     atomic_dq: bool = True  # bwd: the dK pass adds dQ with fp32 atomics (False: the deterministic backward's
                             # dK/dV kernel, whose dQ is the bwd_dq pass)
-    exact_alpha: bool = False  # fwd (both families): the online softmax's rescale factor from the rounded
+    exact_alpha: bool = False  # fwd (both families) and decode: the online softmax's rescale factor from the rounded
                                # shifts (EXACT_ALPHA, common/softmax.cuh): lse exact over many key blocks
                                # (opt-in, not dispatched; benchmarks/lse_precision.py)
     varlen: bool = False  # Ampere fwd: packed q and k/v through cu_seqlens (VARLEN, common/varlen.cuh; a second
@@ -96,6 +96,8 @@ class Variant(NamedTuple):
             d["EXACT_ALPHA"] = int(self.exact_alpha)
             if not self.hopper_forward:  # only the Ampere forward has the knob
                 d["VARLEN"] = int(self.varlen)
+        if self.kernel == "decode":
+            d["EXACT_ALPHA"] = int(self.exact_alpha)
         if self.hopper_forward:
             d.update(OVERLAP=int(self.overlap), PINGPONG=int(self.pingpong))
             del d["BLOCK_M"], d["NUM_WARPS"]  # fixed by the kernel's warpgroup roles
@@ -316,6 +318,34 @@ def decode_variant(family: Family, bf16: bool, tile: int, score_mod: bool, max_s
         if v.shared_bytes() <= max_shared:
             return v
     return None
+
+
+# The decode tile sweep's axes (`decode_sweep_variants`; benchmarks/cuda_decode.py `time --tiles`).
+DECODE_SWEEP_BLOCK_N = (16, 32, 64)
+DECODE_SWEEP_WARPS = (4, 8)
+DECODE_SWEEP_STAGES = (2, 3, 4)
+
+
+def decode_sweep_variants(tile: int, *, family: str = "sm90", bf16: bool = True, score_mod: bool = False,
+                          max_shared: int | None = None, exact_alpha: bool = False) -> list[Variant]:
+    """The decode tile sweep's candidates for head-dim tile `tile`: every BLOCK_N x warps x KV stages of the
+    sweep's axes whose shared memory fits `max_shared` (default: the family's first GPU with the most,
+    sm_90's 232,448 bytes), the launcher's pick (`decode_variant`) first. Not a launcher table: the
+    sweep's winner goes into `DECODE_TILES`. d128 on sm_90: 16-key blocks w4 s2-s4, w8 s2-s3; 32-key
+    blocks w4 s2-s3; 64-key blocks fit no ring of 4 warps (each warp's ring is STAGES x 64 x 272 x 2 bytes)."""
+    fam = FAMILIES[family]
+    if "decode" not in fam.sources:
+        return []
+    shared = max_shared if max_shared is not None else max(SHARED_PER_BLOCK[c] for c in covered_capabilities(fam))
+    default = decode_variant(fam, bf16, tile, score_mod, shared)
+    found = [default] if default is not None else []
+    for bn in DECODE_SWEEP_BLOCK_N:
+        for w in DECODE_SWEEP_WARPS:
+            for st in DECODE_SWEEP_STAGES:
+                v = Variant(fam.name, "decode", bf16, tile, 16, bn, w, score_mod, stages=st)
+                if v.shared_bytes() <= shared and v not in found:
+                    found.append(v)
+    return [v._replace(exact_alpha=exact_alpha) for v in found]
 
 
 def decode_combine_variant(family: Family, bf16: bool) -> Variant | None:

@@ -15,8 +15,9 @@
 // index value can move a read outside the buffers.
 //
 // Compile-time knobs (NVRTC -D): IS_BF16, HEAD_DIM (padded tile: 64/128/256), BLOCK_N (keys per
-// warp block, 16), NUM_WARPS, SCORE_MOD (softcap/ALiBi/scale <= 0), KV_STAGES; DECODE_COMBINE=1
-// builds only the combine kernel (its own specialisation: IS_BF16).
+// warp block: 16, 32 or 64), NUM_WARPS, SCORE_MOD (softcap/ALiBi/scale <= 0), KV_STAGES (2..4),
+// EXACT_ALPHA (common/softmax.cuh: the rescale factor from the rounded product, default 0);
+// DECODE_COMBINE=1 builds only the combine kernel (its own specialisation: IS_BF16).
 #include "common/mask.cuh"
 #include "common/score_mod.cuh"
 #include "common/softmax.cuh"
@@ -66,11 +67,15 @@ DEVI int sequence_keys(const DecodeParams& p, int b) {
 
 // Copy key block [n0, n0 + BN) of K and V into one ring stage (row stride LD = HD + 8: ldmatrix
 // without bank conflicts). Keys >= Sk and columns past the head dims are zero-filled without a
-// read. Paged: lane j holds the pool page and row of key n0 + j (pg, pr), shuffled to the copiers.
+// read. Paged: lane j holds the pool page and row of key n0 + j in (pg, pr) and, for 64-key blocks,
+// of key n0 + 32 + j in (pg2, pr2), shuffled to the copiers; copy i of a lane covers row
+// r = (lane + 32 i) / CPR, whose register pair r / 32 is i / CPR for every lane (lane < 32): known
+// at compile time.
 template <int HD, int BN>
 DEVI void load_kv(u32 sK, u32 sV, const DecodeParams& p, const u16* kbase, const u16* vbase, int n0, int Sk,
-                  int pg, int pr, int lane) {
+                  int pg, int pr, int pg2, int pr2, int lane) {
   constexpr int CPR = HD / 8, LD = HD + 8, CHUNKS = BN * CPR / 32;
+  static_assert(BN <= 64, "two page registers per lane");
   const bool paged = p.page_table != nullptr;
 #pragma unroll
   for (int i = 0; i < CHUNKS; ++i) {
@@ -78,9 +83,17 @@ DEVI void load_kv(u32 sK, u32 sV, const DecodeParams& p, const u16* kbase, const
     const int j = n0 + r;
     long long koff, voff;
     if (paged) {
-      const int page = __shfl_sync(0xffffffffu, pg, r), prow = __shfl_sync(0xffffffffu, pr, r);
-      koff = page * p.k_bs + prow * p.k_rs;
-      voff = page * p.v_bs + prow * p.v_rs;
+      if constexpr (BN > 32) {
+        const bool hi = i / CPR != 0;
+        const int page = __shfl_sync(0xffffffffu, hi ? pg2 : pg, r & 31);
+        const int prow = __shfl_sync(0xffffffffu, hi ? pr2 : pr, r & 31);
+        koff = page * p.k_bs + prow * p.k_rs;
+        voff = page * p.v_bs + prow * p.v_rs;
+      } else {
+        const int page = __shfl_sync(0xffffffffu, pg, r), prow = __shfl_sync(0xffffffffu, pr, r);
+        koff = page * p.k_bs + prow * p.k_rs;
+        voff = page * p.v_bs + prow * p.v_rs;
+      }
     } else {
       koff = j * p.k_rs;
       voff = j * p.v_rs;
@@ -93,18 +106,25 @@ DEVI void load_kv(u32 sK, u32 sV, const DecodeParams& p, const u16* kbase, const
   }
 }
 
-// Page and row in page of key n0 + lane (lanes < BN; 0 past Sk), the table entry clamped.
+// Page and row in page of key n0 + lane (lanes < BN; 0 past Sk), the table entry clamped; 64-key
+// blocks: key n0 + 32 + lane's in (pg2, pr2) too.
 template <int BN>
-DEVI void lookup_page(const DecodeParams& p, int b, int n0, int Sk, int lane, int* pg, int* pr) {
-  const int j = n0 + lane;
-  int page = 0, row = 0;
-  if (lane < BN && j < Sk) {
-    const int idx = j / p.page_size;  // < max_pages: j < Sk <= capacity = max_pages * page_size
-    page = min(max(p.page_table[b * p.pt_bs + idx], 0), p.num_pages - 1);
-    row = j - idx * p.page_size;
+DEVI void lookup_page(const DecodeParams& p, int b, int n0, int Sk, int lane, int* pg, int* pr, int* pg2,
+                      int* pr2) {
+  if constexpr (BN <= 32) {
+    const int j = n0 + lane;
+    int page = 0, row = 0;
+    if (lane < BN && j < Sk) {
+      const int idx = j / p.page_size;  // < max_pages: j < Sk <= capacity = max_pages * page_size
+      page = min(max(p.page_table[b * p.pt_bs + idx], 0), p.num_pages - 1);
+      row = j - idx * p.page_size;
+    }
+    *pg = page;
+    *pr = row;
+  } else {
+    lookup_page<32>(p, b, n0, Sk, lane, pg, pr, nullptr, nullptr);
+    lookup_page<32>(p, b, n0 + 32, Sk, lane, pg2, pr2, nullptr, nullptr);
   }
-  *pg = page;
-  *pr = row;
 }
 
 template <bool BF16, int HD, int BN, int NW, bool MOD, int STAGES>
@@ -116,7 +136,7 @@ DEVI void decode_forward(const DecodeParams& p) {
   constexpr int LD = HD + 8;
   constexpr int OLD = HD + 4;  // float row stride of the merge buffer
   constexpr bool Q_IN_REGS = HD <= 128;
-  static_assert(BN % 16 == 0 && BN <= 32 && (BN * HD / 8) % 32 == 0, "a warp block is 16 or 32 keys");
+  static_assert(BN % 16 == 0 && BN <= 64 && (BN * HD / 8) % 32 == 0, "a warp block is 16, 32 or 64 keys");
   static_assert(STAGES >= 2 && STAGES <= 4, "2..4 stages");
 
   extern __shared__ __align__(16) u16 smem[];
@@ -170,18 +190,20 @@ DEVI void decode_forward(const DecodeParams& p) {
   const u16* kbase = (const u16*)p.k + hk * p.k_hs + (paged ? 0 : b * p.k_bs);
   const u16* vbase = (const u16*)p.v + hk * p.v_hs + (paged ? 0 : b * p.v_bs);
   int pg = 0, pr = 0;  // paged: the pool page/row of key `lane` of the next block to issue
+  int pg2 = 0, pr2 = 0;  // ... and of key 32 + `lane` (64-key blocks)
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < nt) {
       const int n0 = (my_first + s * NW) * BN;
-      if (paged) lookup_page<BN>(p, b, n0, Sk, lane, &pg, &pr);
+      if (paged) lookup_page<BN>(p, b, n0, Sk, lane, &pg, &pr, &pg2, &pr2);
       load_kv<HD, BN>(ring + s * STAGE_BYTES, ring + s * STAGE_BYTES + V_BYTES, p, kbase, vbase, n0, Sk, pg, pr,
-                      lane);
+                      pg2, pr2, lane);
     }
     cp_commit();
   }
   // the table entries of the first block the loop issues, read a block ahead from here on
-  if (paged && STAGES - 1 < nt) lookup_page<BN>(p, b, (my_first + (STAGES - 1) * NW) * BN, Sk, lane, &pg, &pr);
+  if (paged && STAGES - 1 < nt)
+    lookup_page<BN>(p, b, (my_first + (STAGES - 1) * NW) * BN, Sk, lane, &pg, &pr, &pg2, &pr2);
 
   // this thread's two rows (g, g + 8): query index, head; padded rows copy row i_lo's visibility
   int row_q[2], row_h[2];
@@ -229,11 +251,12 @@ DEVI void decode_forward(const DecodeParams& p) {
       const int tn = t + STAGES - 1;
       if (tn < nt) {
         const u32 st = ring + (tn % STAGES) * STAGE_BYTES;
-        load_kv<HD, BN>(st, st + V_BYTES, p, kbase, vbase, (my_first + tn * NW) * BN, Sk, pg, pr, lane);
+        load_kv<HD, BN>(st, st + V_BYTES, p, kbase, vbase, (my_first + tn * NW) * BN, Sk, pg, pr, pg2, pr2, lane);
       }
       cp_commit();
       // the next block's table entries: their latency hides behind this block's math
-      if (paged && tn + 1 < nt) lookup_page<BN>(p, b, (my_first + (tn + 1) * NW) * BN, Sk, lane, &pg, &pr);
+      if (paged && tn + 1 < nt)
+        lookup_page<BN>(p, b, (my_first + (tn + 1) * NW) * BN, Sk, lane, &pg, &pr, &pg2, &pr2);
     }
     const u32 sK_a = ring + (t % STAGES) * STAGE_BYTES, sV_a = sK_a + V_BYTES;
     const int n0 = (my_first + t * NW) * BN;
@@ -291,7 +314,7 @@ DEVI void decode_forward(const DecodeParams& p) {
       for (int nt8 = 0; nt8 < NT; ++nt8) mx = fmaxf(mx, fmaxf(s[nt8][2 * r], s[nt8][2 * r + 1]));
       mx = quad_max(mx);
       const float m_scaled = max_shift(mx, unit);
-      const float alpha = exp2_approx(row_max[r] * unit - m_scaled);
+      const float alpha = exp2_approx(rescale_exponent(row_max[r], unit, m_scaled));  // EXACT_ALPHA
       row_max[r] = mx;
       float sum = 0.f;
 #pragma unroll
