@@ -3,6 +3,9 @@
     python -m benchmarks.cuda_decode check               # every format x feature row vs the float64 formula
     python -m benchmarks.cuda_decode time                # Llama-3-8B decode: GB/s of K+V beside SDPA, triton
     python -m benchmarks.cuda_decode check --self-test   # the harness on the CPU (float32 formula as kernel)
+    python -m benchmarks.cuda_decode time --tiles        # the decode tile sweep (each candidate checked first)
+    python -m benchmarks.cuda_decode check --tiles       # every sweep candidate on the tile cases
+    python -m benchmarks.cuda_decode check --tile n32w4s2 --emulate --all-cases   # one candidate, on the CPU
 
 One device call runs both: ``check && time``. `check` prints one numbered line per case (worst error
 of out and lse beside the bound), continues past failures, stops only when the CUDA context is lost,
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import NamedTuple
 
 import torch
@@ -105,6 +109,86 @@ class Built(NamedTuple):
     kwargs: dict        # attention options (seqlens_k, page_table, ...)
     seqs: list          # per sequence: (k, v) bhsd (1, Hkv, L, D) of the keys it holds
     splits: object
+    tile: object = None  # a sweep candidate (variants.decode_sweep_variants) in place of the tile table
+
+
+# -- the tile sweep's candidates ------------------------------------------------------------------------
+# cases every candidate tile is checked on before it is timed (bf16 without score mods: a tile changes the
+# key-block, page-lookup, split and warp arithmetic, which these cover; one compile per candidate), run at
+# the candidate's head dim
+TILE_CASES = (  # (name, page size, first length) of cases()
+    ("dense len", 0, 4097), ("cache len", 0, 17), ("paged len", 16, 4097), ("paged1 mixed", 1, 1000), ("paged16 mixed", 16, 1000), ("paged256 mixed", 256, 1000),
+    ("paged1 causal sq4", 1, 3), ("cache all empty", 0, 0),
+    ("cache llama gqa4 sq4", 0, 4097), ("paged gqa8 sq3 (chunks span heads)", 16, 500),
+    ("cache window+offset", 0, 1000), ("paged sinks", 16, 1000), ("paged bad index values", 1, 1000),
+    ("paged bad index values", 16, 1000), ("cache splits=13 forced", 0, 4097), ("paged splits=1 forced", 16, 4097),
+    ("dense nan key", 0, 1000))
+
+
+def tile_label(v) -> str:
+    """A candidate's short name: keys per warp block, warps, stages (+ea: EXACT_ALPHA)."""
+    return f"n{v.block_n}w{v.warps}s{v.stages}" + ("+ea" if v.exact_alpha else "")
+
+
+def tile_candidates(head_dim: int = 128, exact_alpha: bool = False, family: str = "sm90") -> list:
+    """The sweep's candidates (variants.decode_sweep_variants, bf16; the launcher's pick first); with
+    `exact_alpha` the launcher's pick is followed by its EXACT_ALPHA=1 twin (its cost and lse, one more
+    compile and check)."""
+    from attnx.backends.cuda import variants
+
+    found = variants.decode_sweep_variants(head_dim, family=family)
+    return found[:1] + [found[0]._replace(exact_alpha=True)] + found[1:] if exact_alpha and found else found
+
+
+def pick_tiles(labels: str, head_dim: int = 128, exact_alpha: bool = False) -> list:
+    """Candidates by label ("n32w4s2,n16w8s2+ea"; `exact_alpha`: each one's +ea twin too), or "all" of them
+    (`tile_candidates`)."""
+    if labels == "all":
+        return tile_candidates(head_dim, exact_alpha)
+    every = tile_candidates(head_dim)
+    by_label = {tile_label(v): v for v in every} | {tile_label(v) + "+ea": v._replace(exact_alpha=True) for v in every}
+    found = []
+    for label in labels.split(","):
+        if label not in by_label:
+            raise SystemExit(f"no candidate {label!r} at d{head_dim}: {', '.join(by_label)}")
+        found.append(by_label[label])
+        if exact_alpha and not by_label[label].exact_alpha:
+            found.append(by_label[label + "+ea"])
+    return found
+
+
+def tile_cases(head_dim: int = 128, all_cases: bool = False) -> list:
+    """The cases a candidate is checked on: `TILE_CASES` at `head_dim`; `all_cases`: every case whose
+    head-dim tile is `head_dim`'s, then those."""
+    from attnx.backends.cuda import families, variants
+
+    def tile_of(c):
+        return variants.head_dim_tile(-(-c.d // 8) * 8, -(-c.dv // 8) * 8, families.HOPPER, "decode")
+
+    by_key = {(c.name, c.page_size, c.lengths[0]): c for c in cases()}
+    found = [by_key[key]._replace(name=f"{key[0]} d{head_dim}", d=head_dim, dv=head_dim) for key in TILE_CASES]
+    if all_cases:
+        found = [c for c in cases() if tile_of(c) == tile_of(found[0])] + found
+    return found
+
+
+def tile_variant(p, tile):
+    """The candidate `tile`'s block shape on the variant the launcher would pick for `p` (its dtype, score
+    mod and head-dim tile); None without a candidate; an error where it does not fit p's GPU."""
+    from attnx.backends.cuda import launch_decode, variants
+
+    if tile is None:
+        return None
+    base = launch_decode.decode_variant_for(p)
+    if base is None or base.head_dim != tile.head_dim:
+        raise ValueError(f"candidate {tile_label(tile)} is a d{tile.head_dim} tile; the call's is "
+                         f"{base and base.head_dim}")
+    v = base._replace(block_m=16, block_n=tile.block_n, warps=tile.warps, stages=tile.stages,
+                      exact_alpha=tile.exact_alpha)
+    if v.shared_bytes() > variants.max_shared(p.capability):
+        raise ValueError(f"candidate {tile_label(tile)} needs {v.shared_bytes()} bytes of shared memory; "
+                         f"{p.arch} has {variants.max_shared(p.capability)}")
+    return v
 
 
 def build(case: Case, device, gen) -> Built:
@@ -212,7 +296,7 @@ def formula(p, xv, built: Built, compute_dtype):
 def kernel_forward(p, xv, built: Built):
     from attnx.backends.cuda import launch_decode
 
-    return launch_decode.forward(p, xv, splits=built.splits, poison=True)
+    return launch_decode.forward(p, xv, splits=built.splits, variant=tile_variant(p, built.tile), poison=True)
 
 
 def stand_in_forward(p, xv, built: Built):
@@ -237,11 +321,11 @@ def _compare(got, ref, lows, name) -> tuple[bool, str]:
     return ok, f"{name} {err:.1e}/{bound:.1e}{flags}{'' if ok else ' !'}"
 
 
-def check_one(case: Case, device, gen, forward) -> tuple[bool, str]:
+def check_one(case: Case, device, gen, forward, tile=None) -> tuple[bool, str]:
     from attnx.autograd import backend_view
     from attnx.problem import make_call
 
-    built = build(case, device, gen)
+    built = build(case, device, gen)._replace(tile=tile)
     p, x = make_call(*built.args, grad_inputs=(), **built.kwargs)
     if device == "cuda":
         major, minor = torch.cuda.get_device_capability()
@@ -262,11 +346,12 @@ def _splits(p, xv, built: Built, device) -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
     if device != "cuda":
         p = p._replace(device_type="cuda", vendor="nvidia", arch="sm_90")
-    return launch_decode.prepare(p, xv, sms, splits=built.splits).splits
+    return launch_decode.prepare(p, xv, sms, splits=built.splits, variant=tile_variant(p, built.tile)).splits
 
 
-def check(all_cases, forward, device, only=None) -> bool:
-    """Every case (whose name contains `only`), one numbered line each; False on any failure."""
+def check(all_cases, forward, device, only=None, tile=None) -> bool:
+    """Every case (whose name contains `only`), one numbered line each; False on any failure. `tile`: a
+    sweep candidate (variants.decode_sweep_variants) runs every case in place of the tile table's pick."""
     gen = torch.Generator(device=device).manual_seed(0)
     todo = [c for c in all_cases if only is None or only in c.name]
     print(f"{'':4} {'#':>3} {'case':<38} {'fmt':<5} {'ps':>3} {'Hq':>3} {'Hkv':>3} {'Sq':>3} {'D':>4} {'Dv':>4} "
@@ -277,7 +362,7 @@ def check(all_cases, forward, device, only=None) -> bool:
                 f"{case.d:>4} {case.dv:>4} {str(case.lengths):<22}")
 
     def check_case(case):
-        good, text = check_one(case, device, gen, forward)
+        good, text = check_one(case, device, gen, forward, tile)
         shown = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v) for k, v in case.opts.items()}
         return good, text + (f"  {shown}" if shown else "")
 
@@ -300,10 +385,41 @@ def _at(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return flat[offsets].float()
 
 
+def check_copy_map(variant) -> None:
+    """load_kv's and lookup_page's lane arithmetic for `variant` (fa_decode.cu): copy i of lane l is 16
+    bytes of row r = (l + 32 i) / CPR, column chunk (l + 32 i) % CPR; every (row, chunk) of the BLOCK_N x
+    CPR block exactly once; the page of row r is shuffled from register pair i / CPR (a compile-time index:
+    it must be r / 32 for every lane) of lane r % 32, which looked up key 32 * (r / 32) + lane; the ring
+    stages of every warp and Q fit the variant's shared memory."""
+    bn, hd, nw, st = variant.block_n, variant.head_dim, variant.warps, variant.stages
+    cpr, ld = hd // 8, hd + 8
+    chunks = bn * cpr // 32
+    if bn % 16 or bn > 64 or (bn * cpr) % 32 or not 2 <= st <= 4:
+        raise ValueError(f"fa_decode.cu's static_asserts refuse BLOCK_N={bn} HEAD_DIM={hd} KV_STAGES={st}")
+    seen = set()
+    for lane in range(32):
+        for i in range(chunks):
+            c = lane + 32 * i
+            row, col = c // cpr, c % cpr
+            if row // 32 != i // cpr:
+                raise AssertionError(f"lane {lane} copy {i}: row {row} in page register {row // 32}, kernel "
+                                     f"reads {i // cpr}")
+            if bn <= 32 and row >= 32:
+                raise AssertionError("a block of <= 32 keys has one page register")
+            seen.add((row, col))
+    if len(seen) != bn * cpr or seen != {(r, c) for r in range(bn) for c in range(cpr)}:
+        raise AssertionError(f"copies cover {len(seen)} of {bn * cpr} chunks")
+    ring = (16 + nw * st * 2 * bn) * ld * 2
+    merge = nw * 16 * ((hd + 4) * 4 + 8)
+    if max(ring, merge) > variant.shared_bytes():
+        raise AssertionError(f"the rings need {ring} / merge {merge} bytes, launched with {variant.shared_bytes()}")
+
+
 def emulate(plan):
     """(out_k, lse) as fa_decode.cu computes them from `plan` (launch_decode.prepare): the same blocks,
     rows, splits, warp key blocks, clamped lengths and page entries, per-warp softmax, warp merge and
     combine, in float32. Reads memory only through the record's pointers, strides and sizes."""
+    check_copy_map(plan.variant)
     r = {name: plan.args[name].item() for name in plan.args.dtype.names}
     by_ptr = {t.data_ptr(): t for t in plan.keep}
     mem = {name: _storage(by_ptr[r[name]]) for name in ("q", "k", "v", "seqlens_k", "page_table", "alibi", "sinks")
@@ -409,8 +525,8 @@ def emulated_forward(p, xv, built: Built, sm_count: int = 132):
     """--emulate: the launcher's host side (`prepare`, as for an H200) and the kernels' arithmetic emulated."""
     from attnx.backends.cuda import launch_decode
 
-    plan = launch_decode.prepare(p._replace(device_type="cuda", vendor="nvidia", arch="sm_90"), xv, sm_count,
-                                 splits=built.splits)
+    p = p._replace(device_type="cuda", vendor="nvidia", arch="sm_90")
+    plan = launch_decode.prepare(p, xv, sm_count, splits=built.splits, variant=tile_variant(p, built.tile))
     out, lse = emulate(plan)
     return out[..., : p.head_dim_v].to(xv.q.dtype), lse
 
@@ -531,23 +647,223 @@ def time_all(batches, lengths, max_gb: float) -> None:
             torch.cuda.empty_cache()
 
 
+SWEEP_LENGTHS = "32768,131072"
+SWEEP_FORMATS = "cache,paged16"
+
+
+def _sweep_problem(b, s, fmt, head_dim, arch="sm_90"):
+    from attnx.problem import Problem
+
+    paged = fmt.startswith("paged")
+    return Problem.create(dtype=torch.bfloat16, batch=b, heads_q=32, heads_kv=8, seqlen_q=1, seqlen_k=s,
+                          head_dim=head_dim, device="cuda", vendor="nvidia", arch=arch,
+                          kv_format="paged" if paged else fmt, page_size=int(fmt[5:]) if paged else None)
+
+
+def sweep_plan(tiles, batches, lengths, formats, head_dim=128, sm_count=132, arch="sm_90") -> None:
+    """--dry-run (CPU): each candidate's shared memory, blocks per SM and split unit, and the
+    splits the launcher would pick per row (as for an H200)."""
+    from attnx.backends.cuda import launch_decode
+
+    for v in tiles:
+        p = _sweep_problem(batches[0], lengths[0], formats[0], head_dim, arch)
+        tv = tile_variant(p, v)
+        plans = []
+        for b in batches:
+            for s in lengths:
+                q = _sweep_problem(b, s, formats[0], head_dim, arch)
+                plans.append(f"B{b}/{s // 1024}k:{launch_decode._split_plan(q, tv, s, sm_count, None)[1]}")
+        print(f"{tile_label(v):<11} {tv.shared_bytes():>7} B shared  {launch_decode.blocks_per_sm(tv, p.capability)} "
+              f"blocks/SM  split unit {tv.warps * tv.block_n:>4} keys  splits {' '.join(plans)}", flush=True)
+
+
+def _lse_error(q, k, lse, seq=0) -> float:
+    """Max abs error of `lse` (B, Hq, 1) on sequence `seq` against float64 (every key visible)."""
+    group = q.shape[1] // k.shape[1]
+    kf = k[seq].double().repeat_interleave(group, 0)
+    ref = torch.logsumexp(q[seq].double() @ kf.transpose(-1, -2) * q.shape[-1] ** -0.5, -1)
+    return float((lse[seq].double() - ref).abs().max())
+
+
+def sweep(tiles, batches, lengths, formats, max_gb: float, head_dim: int = 128, rep: int = 50) -> bool:
+    """The decode tile sweep (Llama-3-8B decode: 32 q heads, 8 kv heads, bf16, one new token): every candidate
+    checked first on `tile_cases` against float64 (a failing one is refused, never timed), then each row
+    (B, keys, format) times every candidate from a CUDA-graph replay through `launch_decode.forward(...,
+    variant=)`: GB/s of K+V beside cuDNN's on the dense problem; the best per row, then a summary. Cache rows
+    also print each candidate's lse error on sequence 0 against float64 (EXACT_ALPHA's effect)."""
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from attnx.autograd import backend_view
+    from attnx.backends.cuda import launch_decode
+    from attnx.problem import make_call
+
+    hq, hkv, d = 32, 8, head_dim
+    major, minor = torch.cuda.get_device_capability()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    arch = f"sm_{major}{minor}"
+    start = time.perf_counter()
+    passed = []
+    for v in tiles:
+        print(f"== check {tile_label(v)} on {len(tile_cases(head_dim))} cases", flush=True)
+        try:
+            good = check(tile_cases(head_dim), kernel_forward, "cuda", tile=v)
+        except Exception as err:  # noqa: BLE001 - a candidate that cannot run is refused
+            good = False
+            print(f"  {type(err).__name__}: {err}")
+        if good:
+            passed.append(v)
+        else:
+            print(f"REFUSED {tile_label(v)}: its check failed; not timed", flush=True)
+    print(f"checks done in {time.perf_counter() - start:.0f} s: {len(passed)} of {len(tiles)} candidates pass",
+          flush=True)
+    if not passed:
+        return False
+
+    def quick(fn):
+        try:
+            return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
+        except Exception as err:  # noqa: BLE001
+            print(f"  ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})", flush=True)
+            return float("nan")
+
+    table = {}
+    print(f"{'B':>3} {'Sk':>7} {'format':<8} {'tile':<11} {'KB':>4} {'/SM':>3} {'splits':>6} {'ms':>8} {'GB/s':>7} "
+          f"{'xcuDNN':>6} {'lse err':>8}", flush=True)
+    for b in batches:
+        for s in lengths:
+            gbytes = 2 * b * hkv * s * d * 2 / 1e9
+            if gbytes > max_gb:
+                print(f"{b:>3} {s:>7} (skipped: {gbytes:.0f} GB of K+V > --max-gb {max_gb})", flush=True)
+                continue
+            q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+
+            def cudnn():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            replay = _graphed(cudnn)
+            ms = quick(replay) if replay is not None else float("nan")
+            ref_gbps = gbytes / ms * 1e3
+            print(f"{b:>3} {s:>7} {'dense':<8} {'cudnn':<11} {'':>4} {'':>3} {'':>6} {ms:8.3f} {ref_gbps:7.0f}",
+                  flush=True)
+            for fmt in formats:
+                kk, vv, kw = k, v, ({} if fmt == "dense" else dict(seqlens_k=lens))
+                if fmt.startswith("paged"):
+                    kk, vv, table_ = _paged_copy(k, v, int(fmt[5:]))
+                    kw["page_table"] = table_
+                p, x = make_call(q, kk, vv, grad_inputs=(), **kw)
+                p = p._replace(arch=arch)
+                xv = backend_view(p, x)
+                row = table.setdefault((b, s, fmt), {"cudnn": ref_gbps})
+                for cand in passed:
+                    try:
+                        tv = tile_variant(p, cand)
+                    except ValueError as err:
+                        print(f"{b:>3} {s:>7} {fmt:<8} {tile_label(cand):<11} skipped: {err}", flush=True)
+                        continue
+                    splits = launch_decode.prepare(p, xv, sms, variant=tv).splits
+                    replay = _graphed(lambda: launch_decode.forward(p, xv, variant=tv))
+                    ms = quick(replay) if replay is not None else float("nan")
+                    gbps = gbytes / ms * 1e3
+                    err = ""
+                    if fmt == "cache":
+                        err = f"{_lse_error(q, k, launch_decode.forward(p, xv, variant=tv)[1]):8.1e}"
+                    row[tile_label(cand)] = gbps
+                    print(f"{b:>3} {s:>7} {fmt:<8} {tile_label(cand):<11} {tv.shared_bytes() // 1024:>4} "
+                          f"{launch_decode.blocks_per_sm(tv, p.capability):>3} {splits:>6} {ms:8.3f} {gbps:7.0f} "
+                          f"{gbps / ref_gbps:6.2f} {err:>8}", flush=True)
+                timed = {t: g for t, g in row.items() if t != "cudnn" and g == g}
+                if timed:
+                    best = max(timed, key=timed.get)
+                    print(f"{b:>3} {s:>7} {fmt:<8} BEST {best} {timed[best]:.0f} GB/s = {timed[best] / ref_gbps:.2f}x "
+                          f"cuDNN, {timed[best] / timed.get(tile_label(passed[0]), float('nan')):.2f}x "
+                          f"{tile_label(passed[0])}", flush=True)
+                kk = vv = x = xv = None
+            q = k = v = None
+            torch.cuda.empty_cache()
+    _sweep_summary(table, [tile_label(t) for t in passed])
+    print(f"sweep done in {time.perf_counter() - start:.0f} s")
+    return len(passed) == len(tiles)
+
+
+def _sweep_summary(table, labels) -> None:
+    """GB/s per row x candidate (x cuDNN), the best per row, and the candidates that win every row or lose
+    nowhere by more than 2 %."""
+    if not table:
+        return
+    print("\nsummary: GB/s (x cuDNN) per row; * = best of the row")
+    print(f"{'row':<20} {'cudnn':>6} " + " ".join(f"{t:>13}" for t in labels))
+    wins = {t: 0 for t in labels}
+    near = {t: 0 for t in labels}
+    for (b, s, fmt), row in table.items():
+        timed = {t: row[t] for t in labels if t in row and row[t] == row[t]}
+        best = max(timed, key=timed.get) if timed else None
+        if best:
+            wins[best] += 1
+        for t, g in timed.items():
+            near[t] += g >= 0.98 * timed[best]
+        cells = " ".join(f"{row.get(t, float('nan')):6.0f}({row.get(t, float('nan')) / row['cudnn']:4.2f})"
+                         + ("*" if t == best else " ") for t in labels)
+        print(f"{f'B{b} {s // 1024}k {fmt}':<20} {row['cudnn']:6.0f} {cells}")
+    print("best in rows: " + ", ".join(f"{t} {n}" for t, n in wins.items() if n) + f" (of {len(table)})")
+    print("within 2 % of the best: " + ", ".join(f"{t} {n}" for t, n in near.items()))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("check", "time"))
+    parser.add_argument("what", choices=("check", "time", "sweep"))
     parser.add_argument("--only", default=None, help="check: only cases whose name contains this")
     parser.add_argument("--self-test", action="store_true",
                         help="check on the CPU with the float32 formula standing in for the kernel")
     parser.add_argument("--emulate", action="store_true",
                         help="check on the CPU: the launcher's host side and the kernels' index arithmetic emulated")
     parser.add_argument("--batches", default="1,8,64")
-    parser.add_argument("--lengths", default="4096,32768,131072")
+    parser.add_argument("--lengths", default=None, help="time: 4096,32768,131072; the sweep: " + SWEEP_LENGTHS)
     parser.add_argument("--max-gb", type=float, default=40.0, help="time: skip shapes with more K+V than this")
+    parser.add_argument("--tiles", action="store_true",
+                        help="time: the tile sweep (= sweep); check: every sweep candidate on the tile cases")
+    parser.add_argument("--tile", default=None, help="check/sweep: only these candidates (n16w4s3,n32w4s2,...)")
+    parser.add_argument("--exact-alpha", action="store_true",
+                        help="check/sweep: each candidate's EXACT_ALPHA=1 twin too (label +ea)")
+    parser.add_argument("--head-dim", type=int, default=128, help="check/sweep: the candidates' head-dim tile")
+    parser.add_argument("--all-cases", action="store_true",
+                        help="check --tile(s): every case of the candidate's head-dim tile, then the tile cases")
+    parser.add_argument("--formats", default=SWEEP_FORMATS, help="sweep: key formats (cache, dense, pagedN)")
+    parser.add_argument("--rep", type=int, default=50, help="sweep: ms of replays per timing (triton do_bench)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="sweep: list the candidates and the launcher's splits per row, on the CPU")
     args = parser.parse_args(argv)
+    sweeping = args.what == "sweep" or (args.what == "time" and args.tiles)
+    tiles = None
+    if args.tiles or args.tile or args.exact_alpha or sweeping:
+        tiles = pick_tiles(args.tile or "all", args.head_dim, args.exact_alpha)
     if args.what == "check":
         if args.self_test or args.emulate:
-            forward = emulated_forward if args.emulate else stand_in_forward
-            return 0 if check(cases(), forward, "cpu", args.only) else 1
-        return 0 if check(cases(), kernel_forward, "cuda", args.only) else 1
+            forward, device = (emulated_forward if args.emulate else stand_in_forward), "cpu"
+        else:
+            forward, device = kernel_forward, "cuda"
+        if tiles is None:
+            return 0 if check(cases(), forward, device, args.only) else 1
+        todo = tile_cases(args.head_dim, args.all_cases)
+        failed = []
+        for tile in tiles:
+            print(f"== {tile_label(tile)} (d{args.head_dim}): {len(todo)} cases", flush=True)
+            if not check(todo, forward, device, args.only, tile=tile):
+                failed.append(tile_label(tile))
+        print(f"tiles: {len(tiles) - len(failed)} of {len(tiles)} passed" + (f"; FAILED {failed}" if failed else ""))
+        return 1 if failed else 0
+    batches = tuple(int(b) for b in args.batches.split(","))
+    if sweeping:
+        lengths = tuple(int(s) for s in (args.lengths or SWEEP_LENGTHS).split(","))
+        formats = tuple(args.formats.split(","))
+        if args.dry_run:
+            sweep_plan(tiles, batches, lengths, formats, args.head_dim)
+            return 0
+        return 0 if sweep(tiles, batches, lengths, formats, args.max_gb, args.head_dim, args.rep) else 1
+    args.lengths = args.lengths or "4096,32768,131072"
     time_all(tuple(int(b) for b in args.batches.split(",")), tuple(int(s) for s in args.lengths.split(",")),
              args.max_gb)
     return 0

@@ -166,3 +166,99 @@ def test_decode_compiles_without_spills_for_sm_90a():
                                                    (*nvrtc_options(v, "sm_90a"), "-Xptxas=-v"))
         assert ok and size > 0, log[:2000]
         assert " 0 bytes spill stores" in log and "bytes stack frame" in log, log
+
+
+# -- the tile sweep (variants.decode_sweep_variants; benchmarks.cuda_decode sweep / check --tiles) -------------
+D128_CANDIDATES = ["n16w4s3", "n16w4s2", "n16w4s4", "n16w8s2", "n16w8s3", "n32w4s2", "n32w4s3"]
+
+
+def test_default_decode_table_is_unchanged():
+    """The sweep lists candidates beside the table; the table itself (and so every default cubin) stays."""
+    A = variants.ForwardTile
+    assert variants.DECODE_TILES == {64: (A(16, 16, 4, 4),), 128: (A(16, 16, 4, 3), A(16, 16, 4, 2)),
+                                     256: (A(16, 16, 4, 2), A(16, 16, 2, 2))}
+    v = variants.decode_variant(families.HOPPER, True, 128, False, variants.max_shared((9, 0)))
+    assert (v.block_n, v.warps, v.stages, v.exact_alpha) == (16, 4, 3, False)
+    assert "-DEXACT_ALPHA=0" in v.defines() and "-DEXACT_ALPHA=1" in v._replace(exact_alpha=True).defines()
+
+
+def test_sweep_candidates_fit_and_start_with_the_default():
+    found = cuda_decode.tile_candidates(128)
+    assert [cuda_decode.tile_label(v) for v in found] == D128_CANDIDATES
+    assert found[0] == variants.decode_variant(families.HOPPER, True, 128, False, variants.max_shared((9, 0)))
+    assert all(v.kernel == "decode" and v.shared_bytes() <= 232448 and v.block_m == 16 for v in found)
+    assert [cuda_decode.tile_label(v) for v in cuda_decode.tile_candidates(128, exact_alpha=True)][:2] == \
+        ["n16w4s3", "n16w4s3+ea"]
+    d64 = {cuda_decode.tile_label(v) for v in cuda_decode.tile_candidates(64)}
+    assert {"n64w4s2", "n64w4s3"} <= d64  # 64-key blocks fit only at d64
+    with pytest.raises(SystemExit):
+        cuda_decode.pick_tiles("n64w4s2")  # not a d128 candidate
+
+
+def test_sweep_dry_run_lists_every_candidate(capsys):
+    assert cuda_decode.main(["sweep", "--dry-run", "--exact-alpha"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"{label} " in out for label in D128_CANDIDATES + ["n16w4s3+ea"])
+
+
+def test_copy_map_of_every_candidate():
+    """load_kv's lane -> (row, column chunk, page register) map covers each block once (64-key blocks: two
+    page registers per lane), and the static_asserts' limits are the emulation's."""
+    for hd in (64, 128, 256):
+        for v in cuda_decode.tile_candidates(hd):
+            cuda_decode.check_copy_map(v)
+    v = cuda_decode.tile_candidates(64)[0]
+    with pytest.raises(ValueError):
+        cuda_decode.check_copy_map(v._replace(block_n=128))
+
+
+SOME_TILE_CASES = ("paged1 causal sq4", "cache window+offset", "paged bad index values", "cache splits=13 forced",
+                   "paged16 mixed")
+
+
+@pytest.mark.parametrize("label", D128_CANDIDATES[1:] + ["n16w4s3+ea", "d64 n64w4s2", "d64 n64w4s3"])
+def test_sweep_candidates_pass_the_emulation(label):
+    """A few of the tile cases per candidate, with the launcher's record for that tile (split unit warps x
+    keys per block) and the kernels' arithmetic emulated (`check --tiles --emulate` runs all of them)."""
+    hd, label = (64, label.split()[1]) if label.startswith("d64") else (128, label)
+    tile, = cuda_decode.pick_tiles(label, hd)
+    todo = [c for c in cuda_decode.tile_cases(hd) if c.name.startswith(SOME_TILE_CASES)]
+    assert len(todo) >= 5
+    assert cuda_decode.check(todo, cuda_decode.emulated_forward, "cpu", tile=tile)
+
+
+def test_tile_check_is_not_blind(monkeypatch):
+    """A candidate whose splits drop keys fails its check (the sweep would refuse to time it)."""
+    real = cuda_decode.emulate
+
+    def lossy(plan):
+        args = plan.args.copy()
+        args["split_keys"] = max(16, int(args["split_keys"]) // 2)
+        return real(plan._replace(args=args))
+
+    monkeypatch.setattr(cuda_decode, "emulate", lossy)
+    tile, = cuda_decode.pick_tiles("n32w4s2")
+    todo = [c for c in cuda_decode.tile_cases(128) if c.name.startswith("cache splits=13")]
+    assert not cuda_decode.check(todo, cuda_decode.emulated_forward, "cpu", tile=tile)
+
+
+def _compile_verbose(args):
+    v, arch = args
+    ok, log, _ = nvrtc_check.compile_source(kernel_source(v.source), v.source,
+                                            (*nvrtc_options(v, arch), "-Xptxas=-v"))
+    return cuda_decode.tile_label(v), arch, ok, log
+
+
+def test_sweep_candidates_compile_without_spills():
+    """Every d128 candidate (and the default's EXACT_ALPHA twin, and d64's 64-key blocks) for sm_90a and sm_80."""
+    reason = _nvrtc()
+    if reason:
+        pytest.skip(reason)
+    from concurrent.futures import ProcessPoolExecutor
+
+    todo = cuda_decode.tile_candidates(128, exact_alpha=True) + cuda_decode.pick_tiles("n64w4s2,n64w4s3", 64)
+    with ProcessPoolExecutor(2) as pool:
+        results = list(pool.map(_compile_verbose, [(v, arch) for v in todo for arch in ("sm_90a", "sm_80")]))
+    for label, arch, ok, log in results:
+        assert ok, f"{label} {arch}: {log[:2000]}"
+        assert " 0 bytes spill stores" in log and " 0 bytes stack frame" in log, f"{label} {arch}: {log}"
