@@ -807,7 +807,8 @@ def _sweep_summary(table, labels) -> None:
             near[t] += g >= 0.98 * timed[best]
         cells = " ".join(f"{row.get(t, float('nan')):6.0f}({row.get(t, float('nan')) / row['cudnn']:4.2f})"
                          + ("*" if t == best else " ") for t in labels)
-        print(f"{f'B{b} {s // 1024}k {fmt}':<20} {row['cudnn']:6.0f} {cells}")
+        keys = f"{s // 1024}k" if s % 1024 == 0 else str(s)
+        print(f"{f'B{b} {keys} {fmt}':<20} {row['cudnn']:6.0f} {cells}")
     print("best in rows: " + ", ".join(f"{t} {n}" for t, n in wins.items() if n) + f" (of {len(table)})")
     print("within 2 % of the best: " + ", ".join(f"{t} {n}" for t, n in near.items()))
 
