@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid decode-sweep varlen-cuda
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -101,6 +101,14 @@ for step in "$@"; do
                 --backend cuda --profile full --device cuda -q > "$0/logs/grid-$tool.txt" 2>&1
             echo "$tool: rc=$? $(grep -c "Invalid\|Race reported.*attnx\|Barrier error\|Uninitialized" "$0/logs/grid-$tool.txt") findings; $(tail -n 3 "$0/logs/grid-$tool.txt" | grep cases)"
             done' "$out" ;;
+    # the decode tile sweep (each candidate checked against float64 first), EXACT_ALPHA's twin included
+    decode-sweep) run_step decode-sweep 150 python3 -m benchmarks.cuda_decode sweep --exact-alpha ;;
+    # the Ampere-family varlen forward (VARLEN knob, written offline): check, garbage cu_seqlens under
+    # memcheck, then time beside triton's varlen and the dense kernel
+    varlen-cuda) run_step varlen-cuda-check 120 python3 -m benchmarks.cuda_varlen check
+            [ -n "${passed[varlen-cuda-check]:-}" ] && run_step varlen-cuda-memcheck 90 compute-sanitizer \
+                --tool memcheck --report-api-errors no python3 -m benchmarks.cuda_varlen check --only garbage
+            [ -n "${passed[varlen-cuda-check]:-}" ] && run_step varlen-cuda-time 120 python3 -m benchmarks.cuda_varlen time ;;
     decode-cuda) run_step decode-cuda-check 150 python3 -m benchmarks.cuda_decode check
             [ -n "${passed[decode-cuda-check]:-}" ] && run_step decode-cuda-time 200 python3 -m benchmarks.cuda_decode time ;;
     *) echo "$step: unknown step" >> "$out/summary.txt" ;;
