@@ -1,4 +1,4 @@
-"""The cuda backend's split-KV decode kernel (not dispatched yet): correctness, then speed.
+"""The cuda backend's split-KV decode kernel: correctness, then speed (the tile sweep: decode_sweep.py).
 
     python -m benchmarks.cuda_decode check               # every format x feature row vs the float64 formula
     python -m benchmarks.cuda_decode time                # Llama-3-8B decode: GB/s of K+V beside SDPA, triton
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from typing import NamedTuple
 
 import torch
@@ -29,6 +28,9 @@ import torch
 from attnx.reference import attention_reference
 
 from .backward_check import bench, max_err, run_numbered
+
+SWEEP_LENGTHS = "32768,131072"  # the tile sweep's defaults (benchmarks/decode_sweep.py)
+SWEEP_FORMATS = "cache,paged16"
 
 
 class Case(NamedTuple):
@@ -580,6 +582,30 @@ def _default_error(q, k, v, out) -> float:
     return worst
 
 
+LLAMA_HEADS = (32, 8)  # Llama-3-8B: query heads, kv heads
+
+
+def llama_decode_inputs(batches, lengths, max_gb: float, head_dim: int = 128):
+    """Yield (B, keys, GB of K+V, q, k, v, lengths) of a Llama-3-8B decode step (bf16, one new token, fresh
+    random, on the GPU) per (B, keys); shapes with more K+V than `max_gb` are skipped with a line. The
+    caller drops its references at the end of each step: the next step's tensors come after an
+    `empty_cache`."""
+    hq, hkv = LLAMA_HEADS
+    for b in batches:
+        for s in lengths:
+            gbytes = 2 * b * hkv * s * head_dim * 2 / 1e9  # K + V read once
+            if gbytes > max_gb:
+                print(f"{b:>3} {s:>7} (skipped: {gbytes:.0f} GB of K+V > --max-gb {max_gb})", flush=True)
+                continue
+            q = torch.randn(b, hq, 1, head_dim, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(b, hkv, s, head_dim, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+            yield b, s, gbytes, q, k, v, lens
+            q = k = v = lens = None
+            torch.cuda.empty_cache()
+
+
 def time_all(batches, lengths, max_gb: float) -> None:
     """Llama-3-8B decode (32 q heads, 8 kv heads, d128, bf16, one new token): GB/s of K+V read once,
     kernels replayed from a CUDA graph (the Python call is not what is compared); `eager` rows add it."""
@@ -589,228 +615,51 @@ def time_all(batches, lengths, max_gb: float) -> None:
     from attnx.problem import make_call
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    hq, hkv, d = 32, 8, 128
     major, minor = torch.cuda.get_device_capability()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{'B':>3} {'Sk':>7} {'format':<8} {'kernel':<22} {'ms':>8} {'GB/s':>8} {'splits':>6}")
-    for b in batches:
-        for s in lengths:
-            gbytes = 2 * b * hkv * s * d * 2 / 1e9  # K + V read once
-            if gbytes > max_gb:
-                print(f"{b:>3} {s:>7} (skipped: {gbytes:.0f} GB of K+V > --max-gb {max_gb})", flush=True)
-                continue
-            q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
-            k = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16)
-            v = torch.randn_like(k)
-            lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+    for b, s, gbytes, q, k, v, lens in llama_decode_inputs(batches, lengths, max_gb):
 
-            def row(fmt, name, fn, splits="", eager=False):
-                replay = fn if eager else _graphed(fn)
-                ms = bench(replay) if replay is not None else float("nan")
-                print(f"{b:>3} {s:>7} {fmt:<8} {name + (' (eager)' if eager else ''):<22} {ms:8.3f} "
-                      f"{gbytes / ms * 1e3:8.0f} {splits!s:>6}", flush=True)
+        def row(fmt, name, fn, splits="", eager=False):
+            replay = fn if eager else _graphed(fn)
+            ms = bench(replay) if replay is not None else float("nan")
+            print(f"{b:>3} {s:>7} {fmt:<8} {name + (' (eager)' if eager else ''):<22} {ms:8.3f} "
+                  f"{gbytes / ms * 1e3:8.0f} {splits!s:>6}", flush=True)
 
-            for name, kind in (("sdpa-default", None), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
-                               ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
-                def sdpa(kind=kind):
-                    if kind is None:
-                        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-                    with sdpa_kernel(kind):
-                        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-                row("dense", name, sdpa)
-            for fmt in ("dense", "cache", "paged16", "paged1"):
-                kw = {}
-                kk, vv = k, v
-                if fmt == "cache":
-                    kw = dict(seqlens_k=lens)
-                elif fmt.startswith("paged"):
-                    kk, vv, table = _paged_copy(k, v, int(fmt[5:]))
-                    kw = dict(seqlens_k=lens, page_table=table)
-                p, x = make_call(q, kk, vv, grad_inputs=(), **kw)
-                p = p._replace(arch=f"sm_{major}{minor}")
-                xv = backend_view(p, x)
-                splits = launch_decode.prepare(p, xv, sms).splits
-                row(fmt, "cuda decode", lambda: launch_decode.forward(p, xv), splits)
-                if fmt in ("dense", "paged16"):
-                    row(fmt, "cuda decode", lambda: launch_decode.forward(p, xv), splits, eager=True)
-                row(fmt, "triton", lambda: attnx.attention(q, kk, vv, backend="triton", **kw))
-                # what users get: the dispatcher's pick through the public call, checked, then timed
-                pick = attnx.explain(q, kk, vv, **kw).chosen
-                err = _default_error(q, k, v, attnx.attention(q, kk, vv, **kw))
-                row(fmt, f"default={pick}", lambda: attnx.attention(q, kk, vv, **kw), f"err {err:.1e}")
-                row(fmt, f"default={pick}", lambda: attnx.attention(q, kk, vv, **kw), f"err {err:.1e}", eager=True)
-                if not err <= DEFAULT_TOLERANCE:
-                    raise AssertionError(f"B={b} Sk={s} {fmt}: the default ({pick}) is {err:.2e} off the float32 "
-                                         f"formula (tolerance {DEFAULT_TOLERANCE})")
-                kk = vv = None  # the pools go before the next format's
-            q = k = v = None
-            torch.cuda.empty_cache()
-
-
-SWEEP_LENGTHS = "32768,131072"
-SWEEP_FORMATS = "cache,paged16"
-
-
-def _sweep_problem(b, s, fmt, head_dim, arch="sm_90"):
-    from attnx.problem import Problem
-
-    paged = fmt.startswith("paged")
-    return Problem.create(dtype=torch.bfloat16, batch=b, heads_q=32, heads_kv=8, seqlen_q=1, seqlen_k=s,
-                          head_dim=head_dim, device="cuda", vendor="nvidia", arch=arch,
-                          kv_format="paged" if paged else fmt, page_size=int(fmt[5:]) if paged else None)
-
-
-def sweep_plan(tiles, batches, lengths, formats, head_dim=128, sm_count=132, arch="sm_90") -> None:
-    """--dry-run (CPU): each candidate's shared memory, blocks per SM and split unit, and the
-    splits the launcher would pick per row (as for an H200)."""
-    from attnx.backends.cuda import launch_decode
-
-    for v in tiles:
-        p = _sweep_problem(batches[0], lengths[0], formats[0], head_dim, arch)
-        tv = tile_variant(p, v)
-        plans = []
-        for b in batches:
-            for s in lengths:
-                q = _sweep_problem(b, s, formats[0], head_dim, arch)
-                plans.append(f"B{b}/{s // 1024}k:{launch_decode._split_plan(q, tv, s, sm_count, None)[1]}")
-        print(f"{tile_label(v):<11} {tv.shared_bytes():>7} B shared  {launch_decode.blocks_per_sm(tv, p.capability)} "
-              f"blocks/SM  split unit {tv.warps * tv.block_n:>4} keys  splits {' '.join(plans)}", flush=True)
-
-
-def _lse_error(q, k, lse, seq=0) -> float:
-    """Max abs error of `lse` (B, Hq, 1) on sequence `seq` against float64 (every key visible)."""
-    group = q.shape[1] // k.shape[1]
-    kf = k[seq].double().repeat_interleave(group, 0)
-    ref = torch.logsumexp(q[seq].double() @ kf.transpose(-1, -2) * q.shape[-1] ** -0.5, -1)
-    return float((lse[seq].double() - ref).abs().max())
-
-
-def sweep(tiles, batches, lengths, formats, max_gb: float, head_dim: int = 128, rep: int = 50) -> bool:
-    """The decode tile sweep (Llama-3-8B decode: 32 q heads, 8 kv heads, bf16, one new token): every candidate
-    checked first on `tile_cases` against float64 (a failing one is refused, never timed), then each row
-    (B, keys, format) times every candidate from a CUDA-graph replay through `launch_decode.forward(...,
-    variant=)`: GB/s of K+V beside cuDNN's on the dense problem; the best per row, then a summary. Cache rows
-    also print each candidate's lse error on sequence 0 against float64 (EXACT_ALPHA's effect)."""
-    import triton.testing
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from attnx.autograd import backend_view
-    from attnx.backends.cuda import launch_decode
-    from attnx.problem import make_call
-
-    hq, hkv, d = 32, 8, head_dim
-    major, minor = torch.cuda.get_device_capability()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    arch = f"sm_{major}{minor}"
-    start = time.perf_counter()
-    passed = []
-    for v in tiles:
-        print(f"== check {tile_label(v)} on {len(tile_cases(head_dim))} cases", flush=True)
-        try:
-            good = check(tile_cases(head_dim), kernel_forward, "cuda", tile=v)
-        except Exception as err:  # noqa: BLE001 - a candidate that cannot run is refused
-            good = False
-            print(f"  {type(err).__name__}: {err}")
-        if good:
-            passed.append(v)
-        else:
-            print(f"REFUSED {tile_label(v)}: its check failed; not timed", flush=True)
-    print(f"checks done in {time.perf_counter() - start:.0f} s: {len(passed)} of {len(tiles)} candidates pass",
-          flush=True)
-    if not passed:
-        return False
-
-    def quick(fn):
-        try:
-            return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
-        except Exception as err:  # noqa: BLE001
-            print(f"  ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})", flush=True)
-            return float("nan")
-
-    table = {}
-    print(f"{'B':>3} {'Sk':>7} {'format':<8} {'tile':<11} {'KB':>4} {'/SM':>3} {'splits':>6} {'ms':>8} {'GB/s':>7} "
-          f"{'xcuDNN':>6} {'lse err':>8}", flush=True)
-    for b in batches:
-        for s in lengths:
-            gbytes = 2 * b * hkv * s * d * 2 / 1e9
-            if gbytes > max_gb:
-                print(f"{b:>3} {s:>7} (skipped: {gbytes:.0f} GB of K+V > --max-gb {max_gb})", flush=True)
-                continue
-            q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
-            k = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16)
-            v = torch.randn_like(k)
-            lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
-
-            def cudnn():
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        for name, kind in (("sdpa-default", None), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
+                           ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
+            def sdpa(kind=kind):
+                if kind is None:
                     return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-            replay = _graphed(cudnn)
-            ms = quick(replay) if replay is not None else float("nan")
-            ref_gbps = gbytes / ms * 1e3
-            print(f"{b:>3} {s:>7} {'dense':<8} {'cudnn':<11} {'':>4} {'':>3} {'':>6} {ms:8.3f} {ref_gbps:7.0f}",
-                  flush=True)
-            for fmt in formats:
-                kk, vv, kw = k, v, ({} if fmt == "dense" else dict(seqlens_k=lens))
-                if fmt.startswith("paged"):
-                    kk, vv, table_ = _paged_copy(k, v, int(fmt[5:]))
-                    kw["page_table"] = table_
-                p, x = make_call(q, kk, vv, grad_inputs=(), **kw)
-                p = p._replace(arch=arch)
-                xv = backend_view(p, x)
-                row = table.setdefault((b, s, fmt), {"cudnn": ref_gbps})
-                for cand in passed:
-                    try:
-                        tv = tile_variant(p, cand)
-                    except ValueError as err:
-                        print(f"{b:>3} {s:>7} {fmt:<8} {tile_label(cand):<11} skipped: {err}", flush=True)
-                        continue
-                    splits = launch_decode.prepare(p, xv, sms, variant=tv).splits
-                    replay = _graphed(lambda: launch_decode.forward(p, xv, variant=tv))
-                    ms = quick(replay) if replay is not None else float("nan")
-                    gbps = gbytes / ms * 1e3
-                    err = ""
-                    if fmt == "cache":
-                        err = f"{_lse_error(q, k, launch_decode.forward(p, xv, variant=tv)[1]):8.1e}"
-                    row[tile_label(cand)] = gbps
-                    print(f"{b:>3} {s:>7} {fmt:<8} {tile_label(cand):<11} {tv.shared_bytes() // 1024:>4} "
-                          f"{launch_decode.blocks_per_sm(tv, p.capability):>3} {splits:>6} {ms:8.3f} {gbps:7.0f} "
-                          f"{gbps / ref_gbps:6.2f} {err:>8}", flush=True)
-                timed = {t: g for t, g in row.items() if t != "cudnn" and g == g}
-                if timed:
-                    best = max(timed, key=timed.get)
-                    print(f"{b:>3} {s:>7} {fmt:<8} BEST {best} {timed[best]:.0f} GB/s = {timed[best] / ref_gbps:.2f}x "
-                          f"cuDNN, {timed[best] / timed.get(tile_label(passed[0]), float('nan')):.2f}x "
-                          f"{tile_label(passed[0])}", flush=True)
-                kk = vv = x = xv = None
-            q = k = v = None
-            torch.cuda.empty_cache()
-    _sweep_summary(table, [tile_label(t) for t in passed])
-    print(f"sweep done in {time.perf_counter() - start:.0f} s")
-    return len(passed) == len(tiles)
-
-
-def _sweep_summary(table, labels) -> None:
-    """GB/s per row x candidate (x cuDNN), the best per row, and the candidates that win every row or lose
-    nowhere by more than 2 %."""
-    if not table:
-        return
-    print("\nsummary: GB/s (x cuDNN) per row; * = best of the row")
-    print(f"{'row':<20} {'cudnn':>6} " + " ".join(f"{t:>13}" for t in labels))
-    wins = {t: 0 for t in labels}
-    near = {t: 0 for t in labels}
-    for (b, s, fmt), row in table.items():
-        timed = {t: row[t] for t in labels if t in row and row[t] == row[t]}
-        best = max(timed, key=timed.get) if timed else None
-        if best:
-            wins[best] += 1
-        for t, g in timed.items():
-            near[t] += g >= 0.98 * timed[best]
-        cells = " ".join(f"{row.get(t, float('nan')):6.0f}({row.get(t, float('nan')) / row['cudnn']:4.2f})"
-                         + ("*" if t == best else " ") for t in labels)
-        keys = f"{s // 1024}k" if s % 1024 == 0 else str(s)
-        print(f"{f'B{b} {keys} {fmt}':<20} {row['cudnn']:6.0f} {cells}")
-    print("best in rows: " + ", ".join(f"{t} {n}" for t, n in wins.items() if n) + f" (of {len(table)})")
-    print("within 2 % of the best: " + ", ".join(f"{t} {n}" for t, n in near.items()))
+                with sdpa_kernel(kind):
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            row("dense", name, sdpa)
+        for fmt in ("dense", "cache", "paged16", "paged1"):
+            kw = {}
+            kk, vv = k, v
+            if fmt == "cache":
+                kw = dict(seqlens_k=lens)
+            elif fmt.startswith("paged"):
+                kk, vv, table = _paged_copy(k, v, int(fmt[5:]))
+                kw = dict(seqlens_k=lens, page_table=table)
+            p, x = make_call(q, kk, vv, grad_inputs=(), **kw)
+            p = p._replace(arch=f"sm_{major}{minor}")
+            xv = backend_view(p, x)
+            splits = launch_decode.prepare(p, xv, sms).splits
+            row(fmt, "cuda decode", lambda: launch_decode.forward(p, xv), splits)
+            if fmt in ("dense", "paged16"):
+                row(fmt, "cuda decode", lambda: launch_decode.forward(p, xv), splits, eager=True)
+            row(fmt, "triton", lambda: attnx.attention(q, kk, vv, backend="triton", **kw))
+            # what users get: the dispatcher's pick through the public call, checked, then timed
+            pick = attnx.explain(q, kk, vv, **kw).chosen
+            err = _default_error(q, k, v, attnx.attention(q, kk, vv, **kw))
+            row(fmt, f"default={pick}", lambda: attnx.attention(q, kk, vv, **kw), f"err {err:.1e}")
+            row(fmt, f"default={pick}", lambda: attnx.attention(q, kk, vv, **kw), f"err {err:.1e}", eager=True)
+            if not err <= DEFAULT_TOLERANCE:
+                raise AssertionError(f"B={b} Sk={s} {fmt}: the default ({pick}) is {err:.2e} off the float32 "
+                                     f"formula (tolerance {DEFAULT_TOLERANCE})")
+            kk = vv = None  # the pools go before the next format's
+        q = k = v = lens = None  # (llama_decode_inputs frees them before the next step's)
 
 
 def main(argv=None) -> int:
@@ -837,6 +686,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true",
                         help="sweep: list the candidates and the launcher's splits per row, on the CPU")
     args = parser.parse_args(argv)
+    from .decode_sweep import sweep, sweep_plan
+
     sweeping = args.what == "sweep" or (args.what == "time" and args.tiles)
     tiles = None
     if args.tiles or args.tile or args.exact_alpha or sweeping:
