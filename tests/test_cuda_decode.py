@@ -36,8 +36,9 @@ def test_emulated_kernels_pass_every_case(capsys):
     assert "BAD" not in out and f"{len(cuda_decode.cases())} of {len(cuda_decode.cases())} cases passed" in out
 
 
-def test_emulation_catches_lost_keys(monkeypatch):
-    """The harness is not blind: splits that cover half their keys fail."""
+@pytest.fixture
+def lossy_emulation(monkeypatch):
+    """The emulated kernels with splits that cover half their keys (what a blind harness would pass)."""
     real = cuda_decode.emulate
 
     def lossy(plan):
@@ -46,6 +47,10 @@ def test_emulation_catches_lost_keys(monkeypatch):
         return real(plan._replace(args=args))
 
     monkeypatch.setattr(cuda_decode, "emulate", lossy)
+
+
+def test_emulation_catches_lost_keys(lossy_emulation):
+    """The harness is not blind: splits that cover half their keys fail."""
     assert not cuda_decode.check(cuda_decode.cases()[:12], cuda_decode.emulated_forward, "cpu", only="len")
 
 
@@ -226,16 +231,8 @@ def test_sweep_candidates_pass_the_emulation(label):
     assert cuda_decode.check(todo, cuda_decode.emulated_forward, "cpu", tile=tile)
 
 
-def test_tile_check_is_not_blind(monkeypatch):
+def test_tile_check_is_not_blind(lossy_emulation):
     """A candidate whose splits drop keys fails its check (the sweep would refuse to time it)."""
-    real = cuda_decode.emulate
-
-    def lossy(plan):
-        args = plan.args.copy()
-        args["split_keys"] = max(16, int(args["split_keys"]) // 2)
-        return real(plan._replace(args=args))
-
-    monkeypatch.setattr(cuda_decode, "emulate", lossy)
     tile, = cuda_decode.pick_tiles("n32w4s2")
     todo = [c for c in cuda_decode.tile_cases(128) if c.name.startswith("cache splits=13")]
     assert not cuda_decode.check(todo, cuda_decode.emulated_forward, "cpu", tile=tile)
