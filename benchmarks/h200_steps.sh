@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid decode-sweep varlen-cuda
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe decode-sweep varlen-cuda
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -95,12 +95,21 @@ for step in "$@"; do
     profile-calls) run_step profile-calls 150 bash -c 'for fmt in cache paged; do
             python3 -m benchmarks.call_profile decode --format $fmt; done
             for d in 64 128; do python3 -m benchmarks.call_profile training --seqlen 1024 --head-dim $d; done' ;;
-    # the conformance grid of the cuda backend under each compute-sanitizer tool (issue 13: full grid)
-    sanitize-grid) run_step sanitize-grid 500 bash -c 'for tool in memcheck synccheck racecheck initcheck; do
-            timeout 120 compute-sanitizer --tool $tool --report-api-errors no python3 -m attnx.conformance \
-                --backend cuda --profile full --device cuda -q > "$0/logs/grid-$tool.txt" 2>&1
-            echo "$tool: rc=$? $(grep -c "Invalid\|Race reported.*attnx\|Barrier error\|Uninitialized" "$0/logs/grid-$tool.txt") findings; $(tail -n 3 "$0/logs/grid-$tool.txt" | grep cases)"
+    # the conformance grid of the cuda backend under each compute-sanitizer tool (issue 13: full grid), in
+    # 8 shards at once per tool (one process under a tool is slow: memcheck and racecheck each ran past 120 s
+    # alone on 2026-12-02). SANITIZE_TOOLS picks tools, SANITIZE_SECONDS caps each tool.
+    sanitize-grid) run_step sanitize-grid 560 bash -c 'for tool in ${SANITIZE_TOOLS:-memcheck synccheck racecheck initcheck}; do
+            for i in 0 1 2 3 4 5 6 7; do
+                timeout ${SANITIZE_SECONDS:-130} compute-sanitizer --tool $tool --report-api-errors no python3 -m attnx.conformance \
+                    --backend cuda --profile full --device cuda -q --shard $i/8 > "$0/logs/grid-$tool-$i.txt" 2>&1 &
+            done; wait
+            cat "$0"/logs/grid-$tool-?.txt > "$0/logs/grid-$tool.txt"; rm "$0"/logs/grid-$tool-?.txt
+            echo "$tool: $(grep -c "Invalid\|Race reported.*attnx\|Barrier error\|Uninitialized" "$0/logs/grid-$tool.txt") findings; $(grep -h "cases," "$0/logs/grid-$tool.txt" | tr "\n" " ")"
             done' "$out" ;;
+    # does initcheck track TMA (bulk-tensor) stores? reads of a TMA-written out vs plain-stored lse
+    initcheck-probe) run_step initcheck-probe 120 bash -c 'compute-sanitizer --help | grep -i -A2 "bulk\|tma" | head -20
+            for which in out lse; do echo "== $which"; compute-sanitizer --tool initcheck --report-api-errors no \
+                python3 -m benchmarks.initcheck_probe $which 2>&1 | grep -v "Host Frame" | head -30; done' ;;
     # the decode tile sweep (each candidate checked against float64 first), EXACT_ALPHA's twin included
     decode-sweep) run_step decode-sweep 150 python3 -m benchmarks.cuda_decode sweep --exact-alpha ;;
     # the Ampere-family varlen forward (VARLEN knob, written offline): check, garbage cu_seqlens under

@@ -103,6 +103,20 @@ def test_prepare_packs_a_paged_call_on_the_host():
     assert (plan.combine is not None) == (plan.splits > 1)
 
 
+def test_zero_queries_against_a_cache_launch_nothing():
+    """Found by the cuda fuzzer on the H200 (2026-12-02, shrunk to B1 H1 Sq=0 Sk=1 d16): a cache call with no
+    new queries raised instead of returning empty outputs."""
+    from attnx.autograd import backend_view
+    from attnx.problem import make_call
+
+    q, k = torch.randn(1, 1, 0, 16).to(torch.float16), torch.randn(1, 1, 5, 16).to(torch.float16)
+    p, x = make_call(q, k, k, seqlens_k=torch.tensor([1], dtype=torch.int32), grad_inputs=())
+    p = p._replace(device_type="cuda", vendor="nvidia", arch="sm_90")
+    assert p.kv_format == "cache" and not p.is_empty
+    plan = launch_decode.prepare(p, backend_view(p, x), 132)
+    assert plan.grid == 0 and plan.out.shape == (1, 1, 0, 16) and plan.lse.shape == (1, 1, 0)
+
+
 def test_decode_variants_are_listed_and_fit():
     for family in families.FAMILIES.values():
         listed = set(variants.all_variants(family))

@@ -32,12 +32,25 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "default: print only")
     parser.add_argument("--max-seqlen", type=int, default=None, help="skip cases with Sq or Sk above this")
     parser.add_argument("-k", "--match", default=None, help="only cases whose id contains this substring")
+    parser.add_argument("--shard", metavar="I/N", default=None, type=_shard,
+                        help="only every N-th case starting at case I (0-based), so N processes split the grid "
+                             "(under compute-sanitizer, which is slow per process)")
     parser.add_argument("--allow-extra-declines", action="store_true",
                         help="report a case declined by extra_reasons (though the declarations support it) "
                              "as declined instead of failed")
     parser.add_argument("--list", action="store_true", help="list the case ids and exit")
     parser.add_argument("-q", "--quiet", action="store_true", help="print failures and the summary only")
     return parser.parse_args(argv)
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I/N, got {text!r}") from None
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"expected 0 <= I < N, got {text!r}")
+    return index, count
 
 
 def main(argv=None) -> int:
@@ -51,6 +64,9 @@ def main(argv=None) -> int:
     # the grid of what the backend declares on that device (the CPU's where it cannot run here)
     cases = select_cases(args.backend, args.profile, max_seqlen=args.max_seqlen, match=args.match,
                          device=None if problem else device)
+    if args.shard:
+        index, count = args.shard
+        cases = cases[index::count]
     if args.list:
         print("\n".join(c.id for c in cases))
         return 0

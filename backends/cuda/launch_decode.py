@@ -136,8 +136,8 @@ def _check(p) -> None:
         raise InvalidArgumentError("the decode kernel takes no mask tensor")
     if p.dtype not in (torch.float16, torch.bfloat16):
         raise InvalidArgumentError(f"the decode kernel runs float16/bfloat16, got {p.dtype}")
-    if not 1 <= p.seqlen_q <= MAX_SEQLEN_Q:
-        raise InvalidArgumentError(f"the decode kernel takes 1..{MAX_SEQLEN_Q} queries, got {p.seqlen_q}")
+    if not 0 <= p.seqlen_q <= MAX_SEQLEN_Q:  # 0 queries against a cache: empty outputs, nothing launched
+        raise InvalidArgumentError(f"the decode kernel takes 0..{MAX_SEQLEN_Q} queries, got {p.seqlen_q}")
 
 
 @functools.lru_cache(maxsize=1024)
