@@ -192,19 +192,21 @@ D128_CANDIDATES = ["n16w4s3", "n16w4s2", "n16w4s4", "n16w8s2", "n16w8s3", "n32w4
 
 
 def test_default_decode_table_is_unchanged():
-    """The sweep lists candidates beside the table; the table itself (and so every default cubin) stays."""
+    """The sweep lists candidates beside the table; the table itself stays (the cubins changed once: EXACT_ALPHA)."""
     A = variants.ForwardTile
     assert variants.DECODE_TILES == {64: (A(16, 16, 4, 4),), 128: (A(16, 16, 4, 3), A(16, 16, 4, 2)),
                                      256: (A(16, 16, 4, 2), A(16, 16, 2, 2))}
     v = variants.decode_variant(families.HOPPER, True, 128, False, variants.max_shared((9, 0)))
-    assert (v.block_n, v.warps, v.stages, v.exact_alpha) == (16, 4, 3, False)
-    assert "-DEXACT_ALPHA=0" in v.defines() and "-DEXACT_ALPHA=1" in v._replace(exact_alpha=True).defines()
+    assert (v.block_n, v.warps, v.stages, v.exact_alpha) == (16, 4, 3, True)  # EXACT_ALPHA since 2026-12-02
+    assert "-DEXACT_ALPHA=1" in v.defines() and "-DEXACT_ALPHA=0" in v._replace(exact_alpha=False).defines()
 
 
 def test_sweep_candidates_fit_and_start_with_the_default():
     found = cuda_decode.tile_candidates(128)
     assert [cuda_decode.tile_label(v) for v in found] == D128_CANDIDATES
-    assert found[0] == variants.decode_variant(families.HOPPER, True, 128, False, variants.max_shared((9, 0)))
+    default = variants.decode_variant(families.HOPPER, True, 128, False, variants.max_shared((9, 0)))
+    assert found[0] == default._replace(exact_alpha=False)
+    assert cuda_decode.tile_candidates(128, exact_alpha=True)[1] == default
     assert all(v.kernel == "decode" and v.shared_bytes() <= 232448 and v.block_m == 16 for v in found)
     assert [cuda_decode.tile_label(v) for v in cuda_decode.tile_candidates(128, exact_alpha=True)][:2] == \
         ["n16w4s3", "n16w4s3+ea"]

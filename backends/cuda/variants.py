@@ -52,8 +52,8 @@ class Variant(NamedTuple):
     atomic_dq: bool = True  # bwd: the dK pass adds dQ with fp32 atomics (False: the deterministic backward's
                             # dK/dV kernel, whose dQ is the bwd_dq pass)
     exact_alpha: bool = False  # fwd (both families) and decode: the online softmax's rescale factor from the rounded
-                               # shifts (EXACT_ALPHA, common/softmax.cuh): lse exact over many key blocks
-                               # (opt-in, not dispatched; benchmarks/lse_precision.py)
+                               # shifts (EXACT_ALPHA, common/softmax.cuh): lse exact over many key blocks (the
+                               # default tables set it; benchmarks/lse_precision.py, benchmarks/exact_alpha.py)
     varlen: bool = False  # Ampere fwd: packed q and k/v through cu_seqlens (VARLEN, common/varlen.cuh; a second
                           # kernel argument; `varlen_forward_variant`, launch_varlen; opt-in, not dispatched)
 
@@ -246,7 +246,7 @@ def head_dim_tile(head_dim: int, head_dim_v: int, family: Family | None = None, 
 def forward_variant(family: Family, bf16: bool, tile: int, score_mod: bool, max_shared: int) -> Variant | None:
     for t in FORWARD_TILES[family.name].get(tile, ()):
         v = Variant(family.name, "fwd", bf16, tile, t.block_m, t.block_n, t.warps, score_mod, stages=t.stages,
-                    overlap=t.overlap, pingpong=t.pingpong)
+                    overlap=t.overlap, pingpong=t.pingpong, exact_alpha=True)
         if v.shared_bytes() > max_shared:
             continue
         # Ampere: double buffering only where two blocks still fit on a multiprocessor
@@ -314,7 +314,8 @@ def decode_variant(family: Family, bf16: bool, tile: int, score_mod: bool, max_s
     if "decode" not in family.sources:
         return None
     for t in DECODE_TILES.get(tile, ()):
-        v = Variant(family.name, "decode", bf16, tile, t.block_m, t.block_n, t.warps, score_mod, stages=t.stages)
+        v = Variant(family.name, "decode", bf16, tile, t.block_m, t.block_n, t.warps, score_mod, stages=t.stages,
+                    exact_alpha=True)
         if v.shared_bytes() <= max_shared:
             return v
     return None
@@ -338,7 +339,8 @@ def decode_sweep_variants(tile: int, *, family: str = "sm90", bf16: bool = True,
         return []
     shared = max_shared if max_shared is not None else max(SHARED_PER_BLOCK[c] for c in covered_capabilities(fam))
     default = decode_variant(fam, bf16, tile, score_mod, shared)
-    found = [default] if default is not None else []
+    # compared without EXACT_ALPHA, then all given `exact_alpha` (the sweep times each one's +ea twin itself)
+    found = [default._replace(exact_alpha=False)] if default is not None else []
     for bn in DECODE_SWEEP_BLOCK_N:
         for w in DECODE_SWEEP_WARPS:
             for st in DECODE_SWEEP_STAGES:
