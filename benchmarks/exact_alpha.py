@@ -1,5 +1,6 @@
-"""What EXACT_ALPHA (common/softmax.cuh) costs: the default forward and decode kernels beside their twins
-without it, interleaved in one run, and the lse each gives on one long row set against float64.
+"""What EXACT_ALPHA (common/softmax.cuh) costs: the forward and decode kernels with it beside their twins
+without it, in one run, and the lse each gives on one long row set against float64 (the forward rounds
+from `variants.EXACT_ALPHA_MIN_KEYS` keys on, the decode kernel always).
 
     python -m benchmarks.exact_alpha            # needs CuPy, cuda-bindings and an sm_90 GPU
 
@@ -28,7 +29,7 @@ def _forward_row(d: int, s: int, causal: bool):
     p, x = make_call(q, k, v, causal=causal, grad_inputs=())
     p = p._replace(arch="sm_90")
     xv = backend_view(p, x)
-    exact = launch_sm90.forward_variant_for(p)
+    exact = launch_sm90.forward_variant_for(p)._replace(exact_alpha=True)
     flops = 4 * batch * heads * s * s * d / (2 if causal else 1)
     got = {}
     for name, variant in (("exact", exact), ("fused", exact._replace(exact_alpha=False))):
@@ -67,7 +68,7 @@ def _lse_errors(s: int = 1 << 18, rows: int = 64):
     scores = (q[0, 0, pick].double() @ k[0, 0].double().T) / math.sqrt(128)
     scores = scores.masked_fill(torch.arange(s, device="cuda")[None] > pick[:, None], float("-inf"))
     want = torch.logsumexp(scores, -1)
-    exact = launch_sm90.forward_variant_for(p)
+    exact = launch_sm90.forward_variant_for(p)._replace(exact_alpha=True)
     errs = {}
     for name, variant in (("exact", exact), ("fused", exact._replace(exact_alpha=False))):
         _, lse = launch_sm90.forward(p, xv, variant)

@@ -97,11 +97,12 @@ for step in "$@"; do
             for d in 64 128; do python3 -m benchmarks.call_profile training --seqlen 1024 --head-dim $d; done' ;;
     # the conformance grid of the cuda backend under each compute-sanitizer tool (issue 13: full grid), in
     # 8 shards at once per tool (one process under a tool is slow: memcheck and racecheck each ran past 120 s
-    # alone on 2026-12-02). SANITIZE_TOOLS picks tools, SANITIZE_SECONDS caps each tool.
+    # alone on 2026-12-02; not quiet, so a finding is followed by its case line). SANITIZE_TOOLS picks tools,
+    # SANITIZE_SECONDS caps each tool (racecheck did not finish its shards in 140 s).
     sanitize-grid) run_step sanitize-grid 560 bash -c 'for tool in ${SANITIZE_TOOLS:-memcheck synccheck racecheck initcheck}; do
             for i in 0 1 2 3 4 5 6 7; do
                 timeout ${SANITIZE_SECONDS:-130} compute-sanitizer --tool $tool --report-api-errors no python3 -m attnx.conformance \
-                    --backend cuda --profile full --device cuda -q --shard $i/8 > "$0/logs/grid-$tool-$i.txt" 2>&1 &
+                    --backend cuda --profile full --device cuda --shard $i/8 > "$0/logs/grid-$tool-$i.txt" 2>&1 &
             done; wait
             cat "$0"/logs/grid-$tool-?.txt > "$0/logs/grid-$tool.txt"; rm "$0"/logs/grid-$tool-?.txt
             echo "$tool: $(grep -c "Invalid\|Race reported.*attnx\|Barrier error\|Uninitialized" "$0/logs/grid-$tool.txt") findings; $(grep -h "cases," "$0/logs/grid-$tool.txt" | tr "\n" " ")"

@@ -20,7 +20,7 @@ from .families import family_for, nvrtc_arch
 from .launch import _check_grid, _common, _device_index, _launch, _vector, kernel_operand, round8, score_mod
 from .params import pack_params
 from .tensor_maps import operand_ok, tensor_map
-from .variants import Variant, forward_variant, head_dim_tile, max_shared
+from .variants import EXACT_ALPHA_MIN_KEYS, Variant, forward_variant, head_dim_tile, max_shared
 
 
 def forward_variant_for(p) -> Variant | None:
@@ -28,7 +28,8 @@ def forward_variant_for(p) -> Variant | None:
     tile = head_dim_tile(round8(p.head_dim), round8(p.head_dim_v), family, "fwd")
     if tile is None:
         return None
-    return forward_variant(family, p.dtype == torch.bfloat16, tile, score_mod(p), max_shared(p.capability))
+    return forward_variant(family, p.dtype == torch.bfloat16, tile, score_mod(p), max_shared(p.capability),
+                           exact_alpha=p.seqlen_k >= EXACT_ALPHA_MIN_KEYS)
 
 
 def forward(p, x: Inputs, variant: Variant | None = None):

@@ -52,8 +52,8 @@ class Variant(NamedTuple):
     atomic_dq: bool = True  # bwd: the dK pass adds dQ with fp32 atomics (False: the deterministic backward's
                             # dK/dV kernel, whose dQ is the bwd_dq pass)
     exact_alpha: bool = False  # fwd (both families) and decode: the online softmax's rescale factor from the rounded
-                               # shifts (EXACT_ALPHA, common/softmax.cuh): lse exact over many key blocks (the
-                               # default tables set it; benchmarks/lse_precision.py, benchmarks/exact_alpha.py)
+                               # shifts (EXACT_ALPHA, common/softmax.cuh): lse exact over many key blocks (decode
+                               # always, fwd from EXACT_ALPHA_MIN_KEYS keys; benchmarks/exact_alpha.py)
     varlen: bool = False  # Ampere fwd: packed q and k/v through cu_seqlens (VARLEN, common/varlen.cuh; a second
                           # kernel argument; `varlen_forward_variant`, launch_varlen; opt-in, not dispatched)
 
@@ -243,10 +243,20 @@ def head_dim_tile(head_dim: int, head_dim_v: int, family: Family | None = None, 
     return next((t for t in tiles if t >= need), None)
 
 
-def forward_variant(family: Family, bf16: bool, tile: int, score_mod: bool, max_shared: int) -> Variant | None:
+# Keys from which the forward rounds its rescale product (EXACT_ALPHA). The fused product's drift grows
+# about quadratically with the key blocks (H200, 2026-12-02, lse vs float64: 1.1e-4 at 256k keys, 2.7e-3 at
+# 1M, above the 1e-3 bound; ~1e-5 expected at 64k); rounding it cost up to 8 % of non-causal forward speed
+# at 4k-16k (d128 16k 574 vs 624 TFLOP/s; causal and decode within noise): benchmarks/exact_alpha.py.
+EXACT_ALPHA_MIN_KEYS = 65536
+
+
+def forward_variant(family: Family, bf16: bool, tile: int, score_mod: bool, max_shared: int,
+                    exact_alpha: bool = False) -> Variant | None:
+    """The forward's specialisation for a head-dim tile (the first of `FORWARD_TILES` that fits), or None;
+    `exact_alpha` for long key sequences (`EXACT_ALPHA_MIN_KEYS`)."""
     for t in FORWARD_TILES[family.name].get(tile, ()):
         v = Variant(family.name, "fwd", bf16, tile, t.block_m, t.block_n, t.warps, score_mod, stages=t.stages,
-                    overlap=t.overlap, pingpong=t.pingpong, exact_alpha=True)
+                    overlap=t.overlap, pingpong=t.pingpong, exact_alpha=exact_alpha)
         if v.shared_bytes() > max_shared:
             continue
         # Ampere: double buffering only where two blocks still fit on a multiprocessor
@@ -375,7 +385,7 @@ def requestable(family: Family, capability) -> list[Variant]:
         for mod in (False, True):
             for tile in TILE_SETS[(family.name, "fwd")]:
                 fwd = forward_variant(family, bf16, tile, mod, shared)
-                found += [fwd] if fwd else []
+                found += [fwd, fwd._replace(exact_alpha=True)] if fwd else []  # the second: long key sequences
             for tile in TILE_SETS[(family.name, "bwd")]:
                 found += list(backward_variants(family, bf16, tile, mod, shared) or ())
                 found += list(deterministic_backward_variants(family, bf16, tile, mod, shared) or ())
