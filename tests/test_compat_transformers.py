@@ -93,7 +93,28 @@ def test_gpu_bf16_logits_and_greedy_generation_match(name, model_name):
     keep = mask.bool()
     torch.testing.assert_close(got[keep].float(), want[keep].float(), atol=3e-2, rtol=3e-2)
     tokens = ours.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
-    assert torch.equal(tokens, theirs.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False))
+    _assert_same_greedy_tokens_up_to_a_tie(tokens, theirs.generate(ids, attention_mask=mask, max_new_tokens=12,
+                                                                    do_sample=False), theirs, mask, tol=3e-2)
+
+
+def _assert_same_greedy_tokens_up_to_a_tie(tokens, want, reference, mask, tol):
+    """The same greedy tokens, or tokens that part only where the reference's own two best logits are
+    within `tol` (relative) of each other, our token being one of them: bf16 rounding of attention (or
+    of a mixture-of-experts router fed by it) may flip such an argmax (gpt-oss on the H200, 2026-12-02),
+    and after that step the continuations are different inputs, so they are not compared."""
+    if torch.equal(tokens, want):
+        return
+    differs = (tokens != want).any(0).nonzero()
+    step = int(differs[0])
+    row = int((tokens[:, step] != want[:, step]).nonzero()[0])
+    prefix = want[row:row + 1, :step]
+    prefix_mask = torch.cat([mask[row:row + 1], mask.new_ones(1, step - mask.shape[1])], dim=1)
+    with torch.no_grad():
+        logits = reference(prefix, attention_mask=prefix_mask).logits[0, -1].float()
+    best = float(logits.max())
+    gap = best - float(logits[tokens[row, step]])
+    assert gap <= tol * max(1.0, abs(best)), (
+        f"greedy tokens part at step {step} (row {row}) where the reference's logit gap {gap:.3g} is not a tie")
 
 
 def test_static_cache_generation_matches(name):
