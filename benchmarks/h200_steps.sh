@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha decode-sweep varlen-cuda
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-sweep varlen-cuda
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -113,6 +113,8 @@ for step in "$@"; do
                 python3 -m benchmarks.initcheck_probe $which 2>&1 | grep -v "Host Frame" | head -30; done' ;;
     # EXACT_ALPHA's cost and lse, the default kernels beside their twins without it
     exact-alpha) run_step exact-alpha 150 python3 -m benchmarks.exact_alpha ;;
+    # ways to find NaN rows for the torch backend's lse fix-up (its amax: 0.34 ms of a 1k training step)
+    nan-rows) run_step nan-rows 90 python3 -m benchmarks.nan_rows ;;
     # the decode tile sweep (each candidate checked against float64 first), EXACT_ALPHA's twin included
     decode-sweep) run_step decode-sweep 150 python3 -m benchmarks.cuda_decode sweep --exact-alpha ;;
     # the Ampere-family varlen forward (VARLEN knob, written offline): check, garbage cu_seqlens under

@@ -177,3 +177,11 @@ def test_cuda_path_marks_nan_rows_of_lse_as_the_formula_does(causal, heads_kv):
     got = nan_rows_to_lse(p, q, k, torch.randn(2, 4, 16))
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     assert torch.isnan(got).any() and not torch.isnan(got).all()
+
+
+def test_nan_row_candidates_agree_on_nan_and_infinities(capsys):
+    """benchmarks/nan_rows.py: cheaper ways to find NaN rows for `nan_rows_to_lse` (its amax costs 0.34 ms of a
+    1.80 ms training step on the H200) must give the same rows, infinities and huge values included."""
+    from benchmarks import nan_rows
+
+    assert nan_rows.check("cpu"), capsys.readouterr().out
