@@ -1,23 +1,29 @@
 """CPU checks of the cuda backend's packed (varlen) forward: the Ampere kernel built with VARLEN=1
-(common/varlen.cuh, launch_varlen.py; written offline 2026-12-02, not dispatched).
+(common/varlen.cuh, launch_varlen.py; checked on the H200 2026-12-02: 49/49, memcheck clean, mostly
+0.71-0.86x triton's varlen speed; dispatched below triton).
 
 What runs without a GPU: the check harness with the float32 formula as the kernel (`--self-test`) and
 proof that it catches a key read past a sequence and a row written outside every sequence; every case
 with the launcher's records and the kernel's index arithmetic emulated (`--emulate`); the launcher's
 host side (records, grid, strides, padding); the VarlenParams record against the C struct;
 the knob's defines (every table asks VARLEN=0) and a compile of the VARLEN=1 kernel for sm_80 and
-sm_90a. The kernel itself runs in `python -m benchmarks.cuda_varlen check` on a GPU.
+sm_90a; the dispatch (declarations, reasons, rank below triton, routing in `CudaBackend.forward`) on
+problems that describe a GPU. The kernel itself runs in `python -m benchmarks.cuda_varlen check` on a GPU.
 """
 import re
+import unittest.mock as mock
 
 import pytest
 import torch
 
 import attnx
+from attnx import dispatch
 from attnx.autograd import backend_view
-from attnx.backends.cuda import families, launch_varlen, nvrtc_check, variants
+from attnx.backends.cuda import backend as cuda_backend
+from attnx.backends.cuda import families, launch, launch_decode, launch_varlen, nvrtc_check, variants
 from attnx.backends.cuda.compile import kernel_source, nvrtc_options
-from attnx.problem import make_call
+from attnx.conformance.cases import generate_cases
+from attnx.problem import Problem, make_call
 from benchmarks import cuda_varlen
 
 
@@ -153,7 +159,7 @@ def test_prepare_explicit_offset_padding_and_features():
     assert r["alibi"] != 0 and r["alibi_bs"] == 8 and r["alibi_hs"] == 1 and r["sinks"] != 0
 
 
-def test_reasons_and_no_dispatch():
+def test_launcher_reasons():
     p, _ = _packed_call()
     assert any("forward only" in r for r in launch_varlen.varlen_reasons(p._replace(needs_grad=True)))
     assert any("packed q and k/v" in r for r in launch_varlen.varlen_reasons(p._replace(kv_format="cache")))
@@ -162,8 +168,14 @@ def test_reasons_and_no_dispatch():
     assert launch_varlen.runs_varlen(p._replace(arch="sm_80"))
     assert any("too many query blocks" in r for r in launch_varlen.varlen_reasons(p._replace(seqlen_q=1 << 27,
                                                                                             heads_q=1024)))
-    # not dispatched until a GPU has checked it (backends/cuda/NOTES.md "Varlen forward")
-    assert ("varlen", "varlen") not in attnx.get_backend("cuda").formats
+
+
+def test_long_key_sequences_take_exact_alpha():
+    """As the dense launchers: the rescale factor from the rounded shifts from 64k keys in a sequence."""
+    short = launch_varlen.varlen_variant_for(_varlen_problem(seqlen_k=variants.EXACT_ALPHA_MIN_KEYS - 1))
+    long = launch_varlen.varlen_variant_for(_varlen_problem(seqlen_k=variants.EXACT_ALPHA_MIN_KEYS))
+    assert long == short._replace(exact_alpha=True) and not short.exact_alpha and long.varlen
+    assert "-DEXACT_ALPHA=1" in long.defines() and "-DVARLEN=1" in long.defines()
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
@@ -174,10 +186,120 @@ def test_varlen_kernel_compiles(arch):
     if reason:
         pytest.skip(reason)
     cap = (9, 0) if arch == "sm_90a" else (8, 0)
-    for tile, mod in ((64, False), (64, True), (128, False)):
-        v = variants.varlen_forward_variant(True, tile, mod, variants.max_shared(cap))
+    for tile, mod, ea in ((64, False, False), (64, True, False), (128, False, False), (64, False, True)):
+        v = variants.varlen_forward_variant(True, tile, mod, variants.max_shared(cap))._replace(exact_alpha=ea)
         ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
                                                    (*nvrtc_options(v, arch), "-Xptxas=-v"))
         assert ok and size > 0, log[:2000]
         spills = int(re.search(r"(\d+) bytes spill stores", log).group(1))
         assert spills == 0 or tile == 128, (v.label(), log)
+
+
+# -- dispatch (checked on the H200 2026-12-02; backends/cuda/NOTES.md "Varlen forward") ----------------------
+CUDA = attnx.get_backend("cuda")
+ARCHS = ("sm_90", "sm_80", "sm_86", "sm_89")  # the Hopper family, and the Ampere family's GPUs
+# packed forwards the kernel runs (the H200 check's features): options for `_varlen_problem`
+ACCEPTED = {
+    "plain": {},
+    "causal": dict(causal=True),
+    "window alibi": dict(window=(7, 0), alibi=True),
+    "gqa sinks": dict(heads_q=16, heads_kv=4, causal=True, sinks=True),
+    "offset": dict(causal=True, offset=-3),
+    "softcap Sq>Sk": dict(seqlen_q=300, seqlen_k=100, causal=True, softcap=30.0),
+    "fp16 d32": dict(dtype=torch.float16, head_dim=32),
+    "d256": dict(head_dim=256),
+    "d40 dv24": dict(head_dim=40, head_dim_v=24),
+}
+# what it declines, and the words of its reason: (options, words, where the reason comes from)
+DECLINED = {
+    "gradients": (dict(needs_grad=True), "forward only", "declared"),
+    "packed q, cache keys": (dict(kv_format="cache"), "format q=varlen, k/v=cache", "declared"),
+    "packed q, paged keys": (dict(kv_format="paged", page_size=16), "format q=varlen, k/v=paged", "declared"),
+    "float32": (dict(dtype=torch.float32), "dtype float32", "declared"),
+    "mask tensor": (dict(mask_kind="bool", mask_shape=(4, 8, 300, 300)), "mask tensor", "declared"),
+    "too many query blocks": (dict(seqlen_q=1 << 27, seqlen_k=1 << 27, heads_q=1024, heads_kv=1024),
+                              "too many query blocks", "extra"),
+}
+
+
+def _varlen_problem(arch="sm_90", **kw):
+    base = dict(dtype=torch.bfloat16, batch=4, heads_q=8, heads_kv=2, seqlen_q=300, seqlen_k=300, head_dim=128,
+                device="cuda", vendor="nvidia", arch=arch, q_format="varlen", kv_format="varlen")
+    return Problem.create(**{**base, **kw})
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", list(ACCEPTED))
+def test_packed_forwards_are_accepted(arch, name):
+    p = _varlen_problem(arch, **ACCEPTED[name])
+    assert not CUDA.device_reasons(p) and not CUDA.declared_reasons(p) and not CUDA.extra_reasons(p)
+    assert launch_varlen.runs_varlen(p)
+
+
+def test_hopper_needs_no_cuda_bindings_for_packed_calls(monkeypatch):
+    """The Ampere kernel runs packed calls on sm_90: no TMA tensor maps, so no cuda-bindings reason."""
+    monkeypatch.setattr(cuda_backend, "_driver_bindings", lambda: False)
+    assert not CUDA.extra_reasons(_varlen_problem("sm_90"))
+    dense = _varlen_problem("sm_90", q_format="dense", kv_format="dense")
+    assert any("cuda-bindings" in r for r in CUDA.extra_reasons(dense))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_forwards_rank_below_triton(arch):
+    """Triton's varlen kernel was 1.25-1.4x faster on the H200; nothing was measured on sm_80..89."""
+    triton = attnx.get_backend("triton")
+    for p in (_varlen_problem(arch), _varlen_problem(arch, causal=True, seqlen_q=16384, seqlen_k=16384)):
+        key = p.bucketed()
+        assert attnx.get_backend("blocked").rank(key) < CUDA.rank(key) < triton.rank(key)
+        assert CUDA.rank(key) == CUDA.varlen_priority["cuda:sm_90" if arch == "sm_90" else "cuda:nvidia"]
+        order = dispatch.priority(p)
+        assert order.index("triton") < order.index("cuda") < order.index("blocked")
+    # dense forwards keep their place (ahead of triton)
+    dense = _varlen_problem(arch, q_format="dense", kv_format="dense").bucketed()
+    assert CUDA.rank(dense) > triton.rank(dense)
+
+
+@pytest.mark.parametrize("arch", ("sm_90", "sm_80"))
+@pytest.mark.parametrize("name", list(DECLINED))
+def test_packed_problems_it_declines(arch, name):
+    options, words, where = DECLINED[name]
+    p = _varlen_problem(arch, **options)
+    reasons = CUDA.declared_reasons(p) if where == "declared" else CUDA.extra_reasons(p)
+    assert any(words in r for r in reasons), reasons
+    if where == "extra":
+        assert not CUDA.declared_reasons(p)
+
+
+@pytest.mark.parametrize("arch", ("sm_90", "sm_80"))
+def test_head_dim_without_a_tile_is_declined(arch):
+    """Every tile up to 256 fits on every covered GPU; a wider head has none (and is above max_head_dim)."""
+    p = _varlen_problem(arch, head_dim=512, head_dim_v=512)
+    assert any("above the maximum 256" in r for r in CUDA.declared_reasons(p))
+    assert any("no varlen forward tile for head dims 512/512" in r for r in CUDA.extra_reasons(p))
+
+
+@pytest.mark.parametrize("arch", ("sm_90", "sm_80"))
+def test_conformance_grid_has_packed_forwards_it_runs(arch):
+    """The grid generated from the declarations now holds packed cases: forward only, every one accepted
+    (no extra declines), none with packed q against cache or paged keys."""
+    found = [c for c in generate_cases(CUDA, "full") if c.q_format == "varlen"]
+    assert len(found) >= 6
+    for case in found:
+        p = case.problem()._replace(device_type="cuda", vendor="nvidia", arch=arch)
+        assert case.kv_format == "varlen" and not case.grad, case.id
+        assert not CUDA.declared_reasons(p) and not CUDA.extra_reasons(p), case.id
+
+
+def test_forward_routes_packed_calls_to_the_varlen_launcher():
+    """Packed q goes to launch_varlen (before runs_decode, which takes every non-dense kv); dense and cache
+    calls keep their kernels. The launchers are mocked: no GPU here."""
+    p, x = _packed_call(causal=True)
+    dense = _varlen_problem(q_format="dense", kv_format="dense", seqlen_q=1024, seqlen_k=1024)
+    cache = _varlen_problem(q_format="dense", kv_format="cache", seqlen_q=1, seqlen_k=4096)
+    with mock.patch.object(launch_varlen, "forward", return_value="varlen") as varlen, \
+            mock.patch.object(launch_decode, "forward", return_value="decode") as decode, \
+            mock.patch.object(launch, "forward", return_value="dense") as dense_forward:
+        assert CUDA.forward(p, x) == "varlen"
+        varlen.assert_called_once_with(p, x)
+        assert CUDA.forward(dense, None) == "dense" and CUDA.forward(cache, None) == "decode"
+        assert varlen.call_count == 1 and decode.call_count == 1 and dense_forward.call_count == 1

@@ -38,7 +38,8 @@ class CudaBackend(Backend):
                    "fp16/bf16: FlashAttention-2 kernels (mma.sync, ldmatrix, cp.async) for Ampere/Ada; on Hopper "
                    "warp-specialised wgmma + TMA kernels (FlashAttention-3 style): the forward, and the "
                    "backward up to head dim 128 (the Ampere backward above); a split-KV decode kernel for "
-                   "cache and paged keys (forward, up to 16 queries per sequence)")
+                   "cache and paged keys (forward, up to 16 queries per sequence); packed (varlen) q and k/v "
+                   "through the Ampere forward on every family (forward only, ranked below triton)")
     device_types = frozenset({"cuda"})
     vendors = frozenset({"nvidia"})
     min_capability = _LOWEST           # the span of the kernel families (families.py)
@@ -46,8 +47,10 @@ class CudaBackend(Backend):
     dtypes = frozenset({torch.float16, torch.bfloat16})
     max_head_dim = HEAD_DIM_TILES[-1]
     mask_kinds = frozenset()          # dense masks are not implemented in the kernels
-    # cache and paged keys: the split-KV decode kernel (launch_decode.py), forward only, <= 16 queries
-    formats = frozenset({("dense", "dense"), ("dense", "cache"), ("dense", "paged")})
+    # cache and paged keys: the split-KV decode kernel (launch_decode.py), forward only, <= 16 queries;
+    # packed q and k/v: the Ampere forward built with VARLEN=1 (launch_varlen.py), forward only, on both
+    # families. Packed q against cache or paged keys has no kernel here (undeclared).
+    formats = frozenset({("dense", "dense"), ("dense", "cache"), ("dense", "paged"), ("varlen", "varlen")})
     backward_formats = frozenset({("dense", "dense")})
     supports_mask_grad = False
     # The default backwards add dQ with fp32 atomics. Deterministic problems the Hopper backward covers run
@@ -69,6 +72,13 @@ class CudaBackend(Backend):
     priority = {"cuda:nvidia": 80, "cuda:sm_90": 60}
     forward_priority = {"cuda:sm_90": 96}
     hopper_training_priority = 92
+    # Packed (varlen) forwards run the Ampere mma.sync kernel on every family, which was slower than triton's
+    # varlen kernel on the H200 (2026-12-02, benchmarks/results/h200-2026-12-02-run2/varlen-cuda-time.log):
+    # 0.71-0.86x of its TFLOP/s in 11 of 12 settings (1.03x in one: d64 causal, 16 equal sequences), e.g.
+    # d128 non-causal, one 16k sequence: 326 against 451. So varlen ranks below triton (90 on sm_90, 70 on
+    # other NVIDIA GPUs) everywhere: no sm_80/86/89 (Ampere/Ada) GPU was measured, and nothing says this
+    # kernel beats triton's there. Still ahead of blocked (20) and naive (10).
+    varlen_priority = {"cuda:sm_90": 85, "cuda:nvidia": 65}
 
     required_modules = ("cupy",)
     install_hint = 'pip install "attnx[cuda13]"  (or [cuda12])'
@@ -88,6 +98,10 @@ class CudaBackend(Backend):
         family = family_for(p.capability)
         if family is None:  # the declared capability range has gaps only if the families do
             return reasons + [f"no kernel family for {p.arch}"]
+        if "varlen" in (p.q_format, p.kv_format):  # (before the decode branch: that takes every other kv)
+            from .launch_varlen import varlen_reasons
+
+            return reasons + varlen_reasons(p)
         if p.kv_format != "dense":
             from .launch_decode import decode_reasons
 
@@ -112,7 +126,15 @@ class CudaBackend(Backend):
         return reasons
 
     def rank(self, p) -> int:
-        """On sm_90: 96 without gradients, 92 with gradients the Hopper backward runs; else `priority`."""
+        """Packed q: `varlen_priority` (85 on sm_90, else 65: below triton); sm_90: 96 forward, 92 Hopper training
+
+        Packed (varlen) q runs the Ampere forward, slower than triton's varlen kernel (`varlen_priority`).
+        On sm_90: 96 without gradients, 92 with gradients the Hopper backward runs; else `priority`."""
+        if p.q_format == "varlen":
+            for device_class in p.device_classes:
+                if device_class in self.varlen_priority:
+                    return self.varlen_priority[device_class]
+            return super().rank(p)
         if p.needs_grad:
             return self.hopper_training_priority if _hopper_backward(p) else super().rank(p)
         for device_class in p.device_classes:
@@ -141,6 +163,10 @@ class CudaBackend(Backend):
     def forward(self, p, x):
         from .launch_decode import runs_decode
 
+        if p.q_format == "varlen":  # (before runs_decode, which takes every non-dense kv)
+            from .launch_varlen import forward as varlen_forward
+
+            return varlen_forward(p, x)
         if runs_decode(p):
             from .launch_decode import forward as decode_forward
 

@@ -1,8 +1,11 @@
 """Launcher of the Ampere forward built for packed (varlen) q and k/v (kernels/sm80/fa_fwd.cu, VARLEN=1).
 
-Written offline 2026-12-02 and NOT dispatched: `CudaBackend` still declines the varlen formats until
-`python -m benchmarks.cuda_varlen check` passes on a GPU (backends/cuda/NOTES.md "Varlen forward").
-Both families run it (sm_90 builds the Ampere kernel for sm_90a). Forward only.
+Dispatched: `CudaBackend` declares ("varlen", "varlen") for the forward and sends those problems here
+(`varlen_reasons` from `extra_reasons`, `forward`); it ranks them below triton (`varlen_priority`).
+Checked on the H200 2026-12-02 (`python -m benchmarks.cuda_varlen check`: 49/49 against float64,
+compute-sanitizer memcheck clean on garbage cu_seqlens; 0.71-0.86x triton's varlen speed; NOTES.md
+"Varlen forward"). Both families run it (sm_90 builds the Ampere kernel for sm_90a: no TMA, so
+no cuda-bindings needed). Forward only.
 
 The kernel takes the usual `AttnParams` (packed tensors: batch strides 0) and a `VarlenParams` record
 (cu_seqlens pointers, the packed lengths, the alignment). The grid is B x Hq x the query blocks of the
@@ -29,7 +32,7 @@ from .families import AMPERE, family_for, nvrtc_arch
 from . import launch
 from .launch import _check_grid, _common, _strides_ok, _vector, kernel_operand, round8, score_mod
 from .params import pack_params
-from .variants import Variant, head_dim_tile, max_shared, varlen_forward_variant
+from .variants import EXACT_ALPHA_MIN_KEYS, Variant, head_dim_tile, max_shared, varlen_forward_variant
 
 # common/varlen.cuh VarlenParams: 8-byte fields, then 4-byte fields, in the C order
 VARLEN_PARAMS_DTYPE = np.dtype([("cu_seqlens_q", np.uint64), ("cu_seqlens_k", np.uint64), ("total_q", np.int32),
@@ -46,17 +49,27 @@ def pack_varlen_params(**values):
 
 @functools.lru_cache(maxsize=1024)
 def varlen_variant_for(p) -> Optional[Variant]:
-    """The VARLEN=1 forward for `p` on its GPU (the Ampere tile set, whichever family covers the GPU), or None."""
+    """The VARLEN=1 forward for `p` on its GPU (the Ampere tile set, whichever family covers the GPU), or None.
+    With EXACT_ALPHA from `EXACT_ALPHA_MIN_KEYS` keys in the longest sequence, as the dense launchers (the
+    fused rescale's lse drift passes 1e-3 near 1M keys; NVRTC: same spills as without it; not run on a GPU
+    yet, the H200 check's sequences are shorter)."""
     if family_for(p.capability) is None:
         return None
     tile = head_dim_tile(round8(p.head_dim), round8(p.head_dim_v), AMPERE, "fwd")
     if tile is None:
         return None
-    return varlen_forward_variant(p.dtype == torch.bfloat16, tile, score_mod(p), max_shared(p.capability))
+    v = varlen_forward_variant(p.dtype == torch.bfloat16, tile, score_mod(p), max_shared(p.capability))
+    return v._replace(exact_alpha=True) if v is not None and p.seqlen_k >= EXACT_ALPHA_MIN_KEYS else v
 
 
 def varlen_reasons(p) -> list[str]:
-    """Why the kernel cannot run `p` (formats, dtype, mask, gradients and head dims; an empty list: it can)."""
+    """Why the kernel cannot run `p` (an empty list: it can): `CudaBackend.extra_reasons` for packed problems.
+
+    Its limits are a head-dim tile of the Ampere forward (`varlen_forward_variant`; every tile up to 256 fits
+    on every covered GPU) and one launch's grid, B x Hq x ceil(max_seqlen_q / block_m) <= MAX_GRID. The
+    Hopper forward's needs (TMA tensor maps, cuda-bindings) do not apply: this is the Ampere kernel on every
+    family. Formats, gradients, masks and dtypes are the backend's declarations too; they are repeated here
+    for callers that ask this function alone (`prepare`, which the benchmarks call directly)."""
     reasons = []
     if (p.q_format, p.kv_format) != ("varlen", "varlen"):
         reasons.append(f"the varlen kernel takes packed q and k/v, got q {p.q_format}, kv {p.kv_format}")
@@ -75,7 +88,7 @@ def varlen_reasons(p) -> list[str]:
 
 
 def runs_varlen(p) -> bool:
-    """Whether this kernel could run `p` (what routing in backend.py would ask; not wired there yet)."""
+    """Whether this kernel runs `p` (`CudaBackend.forward` sends every packed-q problem here)."""
     return not varlen_reasons(p)
 
 
