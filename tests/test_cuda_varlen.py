@@ -100,13 +100,19 @@ def test_record_matches_the_c_struct():
     assert ok, log
 
 
-def test_tables_ask_varlen_0_and_the_knob_is_opt_in():
+def test_dense_tables_ask_varlen_0_and_the_varlen_variants_are_listed_for_ci():
     for family in families.FAMILIES.values():
         fwd = [v for v in variants.all_variants(family) if v.kernel == "fwd"]
-        assert fwd and not any(v.varlen for v in fwd)
+        dense = [v for v in fwd if not v.varlen]
+        assert dense
         for v in fwd:
-            want = () if v.hopper_forward else ("-DVARLEN=0",)  # only the Ampere forward has the knob
+            want = () if v.hopper_forward else (f"-DVARLEN={int(v.varlen)}",)  # only the Ampere forward has it
             assert tuple(d for d in v.defines() if d.startswith("-DVARLEN")) == want
+        packed = {v for v in fwd if v.varlen}
+        if family is families.AMPERE:  # every packed variant launch_varlen can ask for, both EXACT_ALPHA twins
+            assert packed == {w._replace(varlen=True) for w in dense}
+        else:
+            assert not packed
     for cap in ((8, 0), (8, 6), (9, 0)):
         v = variants.varlen_forward_variant(True, 128, False, variants.max_shared(cap))
         assert v.family == "sm80" and v.source == "sm80/fa_fwd.cu" and v.function == "attnx_fwd"

@@ -55,7 +55,7 @@ class Variant(NamedTuple):
                                # shifts (EXACT_ALPHA, common/softmax.cuh): lse exact over many key blocks (decode
                                # always, fwd from EXACT_ALPHA_MIN_KEYS keys; benchmarks/exact_alpha.py)
     varlen: bool = False  # Ampere fwd: packed q and k/v through cu_seqlens (VARLEN, common/varlen.cuh; a second
-                          # kernel argument; `varlen_forward_variant`, launch_varlen; opt-in, not dispatched)
+                          # kernel argument; `varlen_forward_variant`, launch_varlen: both families' varlen forward)
 
     @property
     def threads(self) -> int:
@@ -268,7 +268,8 @@ def forward_variant(family: Family, bf16: bool, tile: int, score_mod: bool, max_
 def varlen_forward_variant(bf16: bool, tile: int, score_mod: bool, max_shared: int) -> Variant | None:
     """The Ampere forward built for packed q and k/v (VARLEN=1): the tile `forward_variant` picks for the
     Ampere family on a GPU of `max_shared`. Both families run it (sm_90 builds it for sm_90a: the Hopper
-    forward's TMA tiles have no varlen path). Not in any launcher table (launch_varlen, not dispatched)."""
+    forward's TMA tiles have no varlen path). launch_varlen requests it (with EXACT_ALPHA from 64k keys);
+    `requestable` lists it under the Ampere family, so CI builds it for sm_80."""
     v = forward_variant(FAMILIES["sm80"], bf16, tile, score_mod, max_shared)
     return v._replace(varlen=True) if v is not None else None
 
@@ -386,6 +387,9 @@ def requestable(family: Family, capability) -> list[Variant]:
             for tile in TILE_SETS[(family.name, "fwd")]:
                 fwd = forward_variant(family, bf16, tile, mod, shared)
                 found += [fwd, fwd._replace(exact_alpha=True)] if fwd else []  # the second: long key sequences
+                if family.name == "sm80":  # packed sequences (launch_varlen): the Ampere kernel, on both families
+                    packed = varlen_forward_variant(bf16, tile, mod, shared)
+                    found += [packed, packed._replace(exact_alpha=True)] if packed else []
             for tile in TILE_SETS[(family.name, "bwd")]:
                 found += list(backward_variants(family, bf16, tile, mod, shared) or ())
                 found += list(deterministic_backward_variants(family, bf16, tile, mod, shared) or ())
