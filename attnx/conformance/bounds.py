@@ -9,7 +9,8 @@ All errors are max abs errors against a float64 evaluation of the formula on the
   below). The fixed part is what float32 gives on ordinary inputs; the naive part covers inputs where
   float32 itself cannot do better: large logits (scale * |q.k| in the tens: a logit's float32
   rounding, amplified by exp, reaches 1e-4 in out) and gradients whose ``dP - delta`` cancels
-  exactly (one key: the reference gradient is 0, each float32 dot product is not). The naive error
+  exactly (one key: the reference gradient is 0, each float32 dot product is not; the rounding
+  allowance below now covers those for every backend, naive included). The naive error
   is computed only for a quantity over its fixed bound (`NAIVE_FACTOR`, `float32_naive_bound`), and
   never for the naive backend itself, which is held to the fixed bound. lse keeps its own rule.
 * float16 / bfloat16: each quantity <= 2 x the error of the naive formula on the same low-dtype
@@ -26,6 +27,28 @@ All errors are max abs errors against a float64 evaluation of the formula on the
 * lse: 1e-6 (float64 inputs; lse is float32 for them), 1e-4 (float32), 1e-3 (float16/bfloat16),
   each plus ``2**-20 * max |lse|``: 16 float32 ulps, since a float32 lse cannot resolve 1e-3
   once |lse| passes 8192 (large-logit cases reach 1e4).
+* The float32 rounding of ``dP - delta`` (float32, float16 and bfloat16 inputs; dq, dk, dmask,
+  dsinks): every backward takes the difference of two float32 dot products, ``dP = dout_i . v_j``
+  and ``delta_i = dout_i . out_i``, whose rounding depends on the summation order (a tensor-core
+  MMA for one, a separate sum for the other). Where they cancel (one key: exactly, the reference
+  gradient is 0) a backend's error is that rounding, amplified by ``scale * |K|`` (dq) or
+  ``scale * |Q|`` (dk), while the naive backend, whose two dot products happen to round alike on
+  the CPU, may have none. Each of these gradients' bounds therefore gets an allowance
+  (`rounding_terms`): with ``u = 2**-24`` (float32 unit roundoff) and ``n = Dv``, in float64 from absolute values,
+  ``err_dS[i, j] = ROUNDING_C * n * u * P[i, j] * (|dout_i| . |v_j| + |dout_i| . |out_i|)``
+  with ``ROUNDING_C = 1``: a float32 dot product of n terms, summed in any order, is within
+  ``gamma_n |x| . |y| ~ n u |x| . |y|`` of exact (first order; fp16/bf16 products are exact in
+  float32), one such term per dot product. It is a worst case, every rounding erring the same way:
+  the errors measured on one-key problems are ~1/350 of it, which leaves room for tensor-core
+  accumulators that truncate (2u per rounding, once per block of products). The allowance is
+  the max of ``scale * err_dS @ |K|`` (dq), ``scale * err_dS^T @ |Q|`` summed over a GQA group
+  (dk), ``err_dS`` summed over the mask's broadcast dimensions (dmask) and ``ROUNDING_C * n * u *
+  sum_i P_sink[i] |dout_i| . |out_i|`` per head (dsinks: delta's rounding alone). P is recomputed in
+  float64 as the reference does (0 where masked; softcap's derivative factor <= 1 is left out, an upper bound). The
+  allowance is added to the bound above; never to out, dv or lse (no cancellation there), nor for
+  float64 inputs (float64 accumulation). On ordinary inputs it is ~4e-5 (unit normal, D = 64, S = 128;
+  more where P sums over many rows: dk of an early key, causal, GQA; tests/test_bounds.py). It is
+  computed only for a gradient over its bound without it (check.py), like the naive backend's error.
 """
 from __future__ import annotations
 
@@ -39,6 +62,9 @@ LSE_ABS = {torch.float64: 1e-6, torch.float32: 1e-4, torch.float16: 1e-3, torch.
 LSE_REL = 2.0 ** -20
 NAIVE_FACTOR = 2.0  # float32: a quantity over its fixed bound passes within this times the naive backend's error
 NAIVE_RULE = "2x naive"  # Result.bound_rules' label for a bound that came from the naive backend
+ROUNDING_U = 2.0 ** -24  # float32 unit roundoff: dP and delta are float32 dot products in every backend
+ROUNDING_C = 1.0  # gamma_n ~ n u: the worst-case rounding of one float32 dot product of n terms, any order
+ROUNDING_QUANTITIES = ("dq", "dk", "dmask", "dsinks")  # the gradients that go through dS = P * (dP - delta)
 
 
 def high_precision_tolerance(dtype: torch.dtype, backend) -> float:
@@ -47,21 +73,75 @@ def high_precision_tolerance(dtype: torch.dtype, backend) -> float:
     return 5e-3 if backend.uses_tf32 else 1e-4
 
 
-def bound(name: str, dtype: torch.dtype, backend, ref: torch.Tensor, naive_low_err: float | None) -> float:
-    """The bound for quantity `name` ("out", "lse", "dq", "dk", "dv", "dmask")."""
+def bound(name: str, dtype: torch.dtype, backend, ref: torch.Tensor, naive_low_err: float | None,
+          rounding: float = 0.0) -> float:
+    """The bound for quantity `name` ("out", "lse", "dq", "dk", "dv", "dmask", "dsinks"); `rounding` is
+    the quantity's allowance from `rounding_terms`, added for ROUNDING_QUANTITIES (not float64)."""
     finite = ref[torch.isfinite(ref)]
     scale = float(finite.abs().max()) if finite.numel() else 0.0
     if name == "lse":
         return LSE_ABS[dtype] + LSE_REL * scale
+    extra = rounding if name in ROUNDING_QUANTITIES and dtype != torch.float64 and math.isfinite(rounding) else 0.0
     if dtype in LOW_PRECISION:
         if naive_low_err is None or not math.isfinite(naive_low_err):
             # the low-dtype naive formula overflowed: fall back to "no worse than the values' size"
-            return 2 * scale + SLACK_LOW
-        return 2 * naive_low_err + SLACK_LOW
+            return 2 * scale + SLACK_LOW + extra
+        return 2 * naive_low_err + SLACK_LOW + extra
     tol = high_precision_tolerance(dtype, backend)
     if name == "dsinks":  # sinks are float32 whatever the inputs' dtype: their gradient is float32 too
         tol = max(tol, 1e-6)
-    return tol if name == "out" else tol * max(1.0, scale)
+    return tol if name == "out" else tol * max(1.0, scale) + extra
+
+
+def _max(t: torch.Tensor) -> float:
+    t = torch.nan_to_num(t, nan=0.0)  # a NaN row is compared as NaN, not against the bound
+    return float(t.max()) if t.numel() else 0.0
+
+
+def rounding_terms(q, k, v, dout, *, scale, softcap=None, alibi_slopes=None, mask=None, window_left=None,
+                   window_right=None, offset=None, sinks=None) -> dict:
+    """The float32 rounding of ``dP - delta`` (module docstring) for one dense problem, in float64.
+
+    ``q``, ``k``, ``v``, ``dout`` are ``(B, H, S, D)`` (GQA: fewer kv heads); the rest as
+    `attnx.reference.scores` takes them. Returns {"dq": max, "dk": max, "dS": err_dS ``(B, Hq, Sq,
+    Sk)`` (dmask: sum it to the mask's shape), "dsinks": per-head sums ``(Hq,)`` or None}; the
+    caller adds sequences' dsinks up and takes maxima. Costs about one float64 forward + backward.
+    """
+    from attnx.reference import scores
+
+    f64 = torch.float64
+    q, k, v, dout = (t.detach().to(f64) for t in (q, k, v, dout))
+    mask = mask.detach() if mask is not None else None
+    sinks = sinks.detach() if sinks is not None else None
+    s = scores(q, k, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, mask=mask, window_left=window_left,
+               window_right=window_right, offset=offset, compute_dtype=f64)
+    with_sink = s if sinks is None else torch.cat(
+        [s, sinks.to(f64).reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
+    lse = torch.logsumexp(with_sink, dim=-1, keepdim=True) if with_sink.shape[-1] else \
+        torch.full((*s.shape[:-1], 1), float("-inf"), dtype=f64)
+    dead = lse == float("-inf")
+    lse = torch.where(dead, torch.zeros_like(lse), lse)
+    p = torch.where(dead, torch.zeros_like(s), torch.exp(s - lse))
+    group = q.shape[1] // max(k.shape[1], 1)
+    k_rep = k.repeat_interleave(group, dim=1) if group > 1 else k
+    v_rep = v.repeat_interleave(group, dim=1) if group > 1 else v
+    # NaN (a NaN-case key and the rows that see it) counts as 0: those places are compared as NaN
+    q_abs, k_abs, v_abs, dout_abs = (torch.nan_to_num(t.abs(), nan=0.0) for t in (q, k_rep, v_rep, dout))
+    p = torch.nan_to_num(p, nan=0.0)
+    out = p @ torch.nan_to_num(v_rep, nan=0.0)
+    delta_abs = (dout_abs * out.abs()).sum(-1, keepdim=True)    # |dout_i| . |out_i|
+    dp_abs = dout_abs @ v_abs.transpose(-2, -1)                 # |dout_i| . |v_j|
+    unit = ROUNDING_C * v.shape[-1] * ROUNDING_U
+    err_ds = unit * p * (dp_abs + delta_abs)
+    dq = scale * (err_ds @ k_abs)
+    dk = scale * (err_ds.transpose(-2, -1) @ q_abs)
+    if group > 1:
+        dk = dk.reshape(dk.shape[0], dk.shape[1] // group, group, *dk.shape[2:]).sum(2)
+    dsinks = None
+    if sinks is not None:  # d sink_h = -sum_i P_sink[i] delta_i: delta's rounding alone
+        p_sink = torch.where(dead, torch.zeros_like(lse), torch.exp(with_sink[..., -1:] - lse))
+        dsinks = (unit * torch.nan_to_num(p_sink, nan=0.0) * delta_abs).sum(dim=(0, 2, 3))
+    return {"dq": _max(dq), "dk": _max(dk), "dS": err_ds, "dsinks": dsinks}
 
 
 def uses_naive_float32(name: str, dtype: torch.dtype, backend_name: str) -> bool:

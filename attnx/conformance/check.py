@@ -10,10 +10,12 @@ from typing import Optional
 import torch
 
 import attnx
+from attnx.autograd import sum_to_shape
 from attnx.reference import attention_reference
 
 from . import formats
-from .bounds import LOW_PRECISION, NAIVE_RULE, bound, float32_naive_bound, max_abs_error, uses_naive_float32
+from .bounds import (LOW_PRECISION, NAIVE_RULE, ROUNDING_QUANTITIES, bound, float32_naive_bound, max_abs_error,
+                     rounding_terms, uses_naive_float32)
 from .cases import Case
 from .inputs import Inputs, make_inputs
 
@@ -40,6 +42,8 @@ class Result:
     magnitudes: dict = field(default_factory=dict)  # quantity -> max |finite reference value|
     scale: Optional[float] = None
     seconds: float = 0.0
+    rounding: dict = field(default_factory=dict)    # gradient -> float32 dP - delta rounding allowance (bounds.py),
+    #                                                 computed once a gradient is over its bound without it
 
     def fail(self, message: str) -> None:
         self.status = "fail"
@@ -64,6 +68,7 @@ class Result:
                 "naive_acc32_errors": {k: num(v) for k, v in self.naive_acc32.items()},
                 "bound_rules": dict(self.bound_rules),
                 "magnitudes": {k: num(v) for k, v in self.magnitudes.items()},
+                "rounding_allowances": {k: num(v) for k, v in self.rounding.items()},
                 "scale": self.scale, "seconds": round(self.seconds, 4)}
 
 
@@ -115,6 +120,42 @@ def _formula(case: Case, inputs: Inputs, views: dict, scale: float, compute_dtyp
                              {n: t for n, t in views.items() if n != "sinks"}, scale, compute_dtype, None)
         dead = plain[3]
     return out.detach(), lse.detach(), grads, dead
+
+
+def _rounding_allowances(case: Case, inputs: Inputs, views: dict, scale: float) -> dict:
+    """{gradient: its `rounding_terms` allowance (bounds.py)} from the float64 views, for ROUNDING_QUANTITIES
+    that the case has; {} for float64 cases and cases without gradients."""
+    if not case.grad or case.torch_dtype == torch.float64:
+        return {}
+    dout = inputs.dout.detach()
+    kw = dict(softcap=case.softcap, sinks=views.get("sinks"))
+    left, right = case.window if case.window is not None else (None, None)
+    if case.causal:
+        right = 0 if right is None else min(right, 0)
+    kw.update(window_left=left, window_right=right, offset=case.offset)
+    if inputs.packing is None:
+        q, k, v = (_to_bhsd(case, views[n]) for n in ("q", "k", "v"))
+        parts = [rounding_terms(q, k, v, _to_bhsd(case, dout), scale=scale, alibi_slopes=inputs.alibi_slopes,
+                                mask=views.get("mask"), **kw)]
+    else:
+        douts = formats.unpack(case, inputs.packing, {"q": dout, "k": views["k"], "v": views["v"]})
+        parts = []
+        for b, (q, k, v) in enumerate(formats.unpack(case, inputs.packing, views)):
+            alibi = inputs.alibi_slopes
+            if alibi is not None and alibi.dim() == 2:
+                alibi = alibi[b:b + 1]
+            parts.append(rounding_terms(q, k, v, douts[b][0], scale=scale, alibi_slopes=alibi, **kw))
+    terms = {"dq": max((t["dq"] for t in parts), default=0.0), "dk": max((t["dk"] for t in parts), default=0.0)}
+    if case.mask_grad and "mask" in views:
+        mask = views["mask"]
+        err = parts[0]["dS"]
+        dims = tuple(range(err.dim() - mask.dim()))  # leading dimensions the mask does not have
+        err = sum_to_shape(err.sum(dims) if dims else err, tuple(mask.shape))
+        terms["dmask"] = float(err.max()) if err.numel() else 0.0
+    if case.sinks:
+        sums = [t["dsinks"] for t in parts if t["dsinks"] is not None]
+        terms["dsinks"] = float(torch.stack(sums).sum(0).max()) if sums and sums[0].numel() else 0.0
+    return {n: t for n, t in terms.items() if n in ROUNDING_QUANTITIES}
 
 
 def _errors(out, grads: dict, ref_out, ref_grads: dict) -> dict:
@@ -256,6 +297,7 @@ def _run(result: Result, backend_name: str, case: Case, device, allow_extra_decl
     if case.nan:
         quantities = _check_nan_rows(result, quantities)
     naive32 = None  # float32: the naive backend's errors, computed for the first quantity over its fixed bound
+    rounding = None  # the rounding allowances of dP - delta, computed for the first gradient over its bound
     for name, (got, ref) in quantities.items():
         if got is None:
             result.fail(f"{name} missing (no gradient reached the input)")
@@ -264,6 +306,10 @@ def _run(result: Result, backend_name: str, case: Case, device, allow_extra_decl
         finite = ref[torch.isfinite(ref)]
         result.magnitudes[name] = float(finite.abs().max()) if finite.numel() else 0.0
         b = bound(name, case.torch_dtype, backend, ref, low.get(name))
+        if not err <= b and math.isfinite(err) and name in ROUNDING_QUANTITIES:
+            if rounding is None:
+                rounding = result.rounding = _rounding_allowances(case, inputs, views64, p.scale)
+            b = bound(name, case.torch_dtype, backend, ref, low.get(name), rounding.get(name, 0.0))
         if not err <= b and math.isfinite(err) and uses_naive_float32(name, case.torch_dtype, backend_name):
             if naive32 is None:
                 naive32 = result.naive_acc32 = _naive_float32_errors(case, inputs, twin, inputs.dout, refs)
