@@ -306,7 +306,7 @@ def _run(result: Result, backend_name: str, case: Case, device, allow_extra_decl
         finite = ref[torch.isfinite(ref)]
         result.magnitudes[name] = float(finite.abs().max()) if finite.numel() else 0.0
         b = bound(name, case.torch_dtype, backend, ref, low.get(name))
-        if not err <= b and math.isfinite(err) and name in ROUNDING_QUANTITIES:
+        if not err <= b and math.isfinite(err) and name in ROUNDING_QUANTITIES and case.torch_dtype in LOW_PRECISION:
             if rounding is None:
                 rounding = result.rounding = _rounding_allowances(case, inputs, views64, p.scale)
             b = bound(name, case.torch_dtype, backend, ref, low.get(name), rounding.get(name, 0.0))
