@@ -126,10 +126,8 @@ class CudaBackend(Backend):
         return reasons
 
     def rank(self, p) -> int:
-        """Packed q: `varlen_priority` (85 on sm_90, else 65: below triton); sm_90: 96 forward, 92 Hopper training
-
-        Packed (varlen) q runs the Ampere forward, slower than triton's varlen kernel (`varlen_priority`).
-        On sm_90: 96 without gradients, 92 with gradients the Hopper backward runs; else `priority`."""
+        """Packed q: `varlen_priority` (85 on sm_90, 65 elsewhere: below triton, whose varlen kernel was faster).
+        Otherwise on sm_90: 96 without gradients, 92 with gradients the Hopper backward runs; else `priority`."""
         if p.q_format == "varlen":
             for device_class in p.device_classes:
                 if device_class in self.varlen_priority:
