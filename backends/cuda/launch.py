@@ -21,7 +21,7 @@ from attnx.limits import LOG2E, kernel_window, lse_log2
 from .compile import get_kernel
 from .families import family_for, nvrtc_arch
 from .params import pack_params
-from .variants import EXACT_ALPHA_MIN_KEYS, backward_variants, forward_variant, head_dim_tile, max_shared
+from .variants import backward_variants, forward_rounds_rescale, forward_variant, head_dim_tile, max_shared
 
 MAX_GRID = (1 << 31) - 1
 
@@ -120,7 +120,7 @@ def forward(p, x: Inputs):
     device_index = _device_index(x.q)
     d, dv = round8(p.head_dim), round8(p.head_dim_v)
     variant = forward_variant(family, p.dtype == torch.bfloat16, head_dim_tile(d, dv, family, "fwd"), score_mod(p),
-                              max_shared(p.capability), exact_alpha=p.seqlen_k >= EXACT_ALPHA_MIN_KEYS)
+                              max_shared(p.capability), exact_alpha=forward_rounds_rescale(p.seqlen_k))
     q, k, v = kernel_operand(x.q, d), kernel_operand(x.k, d), kernel_operand(x.v, dv)
     x = x.replace(alibi_slopes=_vector(x.alibi_slopes), sinks=_vector(x.sinks))
     out = alloc_out(p, q)

@@ -20,7 +20,7 @@ from .families import family_for, nvrtc_arch
 from .launch import _check_grid, _common, _device_index, _launch, _vector, kernel_operand, round8, score_mod
 from .params import pack_params
 from .tensor_maps import operand_ok, tensor_map
-from .variants import EXACT_ALPHA_MIN_KEYS, Variant, forward_variant, head_dim_tile, max_shared
+from .variants import Variant, forward_rounds_rescale, forward_variant, head_dim_tile, max_shared
 
 
 def forward_variant_for(p) -> Variant | None:
@@ -29,7 +29,7 @@ def forward_variant_for(p) -> Variant | None:
     if tile is None:
         return None
     return forward_variant(family, p.dtype == torch.bfloat16, tile, score_mod(p), max_shared(p.capability),
-                           exact_alpha=p.seqlen_k >= EXACT_ALPHA_MIN_KEYS)
+                           exact_alpha=forward_rounds_rescale(p.seqlen_k))
 
 
 def forward(p, x: Inputs, variant: Variant | None = None):

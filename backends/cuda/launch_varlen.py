@@ -32,7 +32,7 @@ from .families import AMPERE, family_for, nvrtc_arch
 from . import launch
 from .launch import _check_grid, _common, _strides_ok, _vector, kernel_operand, round8, score_mod
 from .params import pack_params
-from .variants import EXACT_ALPHA_MIN_KEYS, Variant, head_dim_tile, max_shared, varlen_forward_variant
+from .variants import Variant, forward_rounds_rescale, head_dim_tile, max_shared, varlen_forward_variant
 
 # common/varlen.cuh VarlenParams: 8-byte fields, then 4-byte fields, in the C order
 VARLEN_PARAMS_DTYPE = np.dtype([("cu_seqlens_q", np.uint64), ("cu_seqlens_k", np.uint64), ("total_q", np.int32),
@@ -59,7 +59,7 @@ def varlen_variant_for(p) -> Optional[Variant]:
     if tile is None:
         return None
     v = varlen_forward_variant(p.dtype == torch.bfloat16, tile, score_mod(p), max_shared(p.capability))
-    return v._replace(exact_alpha=True) if v is not None and p.seqlen_k >= EXACT_ALPHA_MIN_KEYS else v
+    return v._replace(exact_alpha=True) if v is not None and forward_rounds_rescale(p.seqlen_k) else v
 
 
 def varlen_reasons(p) -> list[str]:

@@ -250,6 +250,11 @@ def head_dim_tile(head_dim: int, head_dim_v: int, family: Family | None = None, 
 EXACT_ALPHA_MIN_KEYS = 65536
 
 
+def forward_rounds_rescale(seqlen_k: int) -> bool:
+    """Whether a forward over `seqlen_k` keys (the longest sequence's, packed) is built with EXACT_ALPHA."""
+    return seqlen_k >= EXACT_ALPHA_MIN_KEYS
+
+
 def forward_variant(family: Family, bf16: bool, tile: int, score_mod: bool, max_shared: int,
                     exact_alpha: bool = False) -> Variant | None:
     """The forward's specialisation for a head-dim tile (the first of `FORWARD_TILES` that fits), or None;
