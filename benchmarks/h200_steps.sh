@@ -98,18 +98,24 @@ for step in "$@"; do
     # the conformance grid of the cuda backend under each compute-sanitizer tool (issue 13: full grid), in
     # 8 shards at once per tool (one process under a tool is slow: memcheck and racecheck each ran past 120 s
     # alone on 2026-12-02; not quiet, so a finding is followed by its case line). SANITIZE_TOOLS picks tools,
-    # SANITIZE_SECONDS caps each tool (racecheck did not finish its shards in 140 s).
+    # SANITIZE_SECONDS caps each tool (racecheck did not finish its shards in 140 s); SANITIZE_EXTRA adds
+    # options, e.g. "--kernel-name kns=attnx_" (instrument attnx's kernels only: torch's reference kernels
+    # are most of the time) or "--show-backtrace no --print-limit 5000" (past the default 100 reports).
     sanitize-grid) run_step sanitize-grid 560 bash -c 'for tool in ${SANITIZE_TOOLS:-memcheck synccheck racecheck initcheck}; do
             for i in 0 1 2 3 4 5 6 7; do
-                timeout ${SANITIZE_SECONDS:-130} compute-sanitizer --tool $tool --report-api-errors no python3 -m attnx.conformance \
-                    --backend cuda --profile full --device cuda --shard $i/8 > "$0/logs/grid-$tool-$i.txt" 2>&1 &
+                timeout ${SANITIZE_SECONDS:-130} compute-sanitizer --tool $tool --report-api-errors no ${SANITIZE_EXTRA:-} \
+                    python3 -m attnx.conformance --backend cuda --profile full --device cuda --shard $i/8 \
+                    > "$0/logs/grid-$tool-$i.txt" 2>&1 &
             done; wait
+            for f in "$0"/logs/grid-$tool-?.txt; do  # findings printed before each case line (a case prints when done)
+                awk "/Invalid|Race reported|Barrier error|Uninitialized/ {n++} /^\\[/ {print n + 0, \$0; n = 0}" "$f"
+            done > "$0/logs/grid-$tool-cases.txt"
             cat "$0"/logs/grid-$tool-?.txt > "$0/logs/grid-$tool.txt"; rm "$0"/logs/grid-$tool-?.txt
             echo "$tool: $(grep -c "Invalid\|Race reported.*attnx\|Barrier error\|Uninitialized" "$0/logs/grid-$tool.txt") findings; $(grep -h "cases," "$0/logs/grid-$tool.txt" | tr "\n" " ")"
             done' "$out" ;;
     # does initcheck track TMA (bulk-tensor) stores? reads of a TMA-written out vs plain-stored lse
     initcheck-probe) run_step initcheck-probe 120 bash -c 'compute-sanitizer --help | grep -i -A2 "bulk\|tma" | head -20
-            for which in out lse; do echo "== $which"; compute-sanitizer --tool initcheck --report-api-errors no \
+            for which in out lse; do echo "== $which"; PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool initcheck --report-api-errors no \
                 python3 -m benchmarks.initcheck_probe $which 2>&1 | grep -v "Host Frame" | head -30; done' ;;
     # EXACT_ALPHA's cost and lse, the default kernels beside their twins without it
     exact-alpha) run_step exact-alpha 150 python3 -m benchmarks.exact_alpha ;;

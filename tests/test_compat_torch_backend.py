@@ -185,3 +185,18 @@ def test_nan_row_candidates_agree_on_nan_and_infinities(capsys):
     from benchmarks import nan_rows
 
     assert nan_rows.check("cpu"), capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_cuda_path_nan_row_finder_agrees_with_isnan_any(dtype, transposed):
+    """`_rows_with_nan` (the H200's fastest way, benchmarks/nan_rows.py) on NaN, +-inf, both infinities in
+    one row and rows of the dtype's largest value; also on a (B, S, H, D) tensor viewed as (B, H, S, D)."""
+    from attnx.backends.torch.cuda import _rows_with_nan
+    from benchmarks import nan_rows
+
+    t = nan_rows._inputs("cpu", dtype=dtype, shape=(2, 8, 64, 16))
+    if transposed:
+        t = t.transpose(1, 2).contiguous().transpose(1, 2)
+    assert torch.equal(_rows_with_nan(t), torch.isnan(t).any(-1))
+    assert torch.equal(_rows_with_nan(t[..., :0]), torch.zeros(t.shape[:-1], dtype=torch.bool))
