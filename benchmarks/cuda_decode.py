@@ -683,6 +683,8 @@ def main(argv=None) -> int:
                         help="check --tile(s): every case of the candidate's head-dim tile, then the tile cases")
     parser.add_argument("--formats", default=SWEEP_FORMATS, help="sweep: key formats (cache, dense, pagedN)")
     parser.add_argument("--rep", type=int, default=50, help="sweep: ms of replays per timing (triton do_bench)")
+    parser.add_argument("--splits", default="0",
+                        help="sweep: key-split counts to time each candidate at (0 = the launcher's heuristic)")
     parser.add_argument("--dry-run", action="store_true",
                         help="sweep: list the candidates and the launcher's splits per row, on the CPU")
     args = parser.parse_args(argv)
@@ -714,7 +716,8 @@ def main(argv=None) -> int:
         if args.dry_run:
             sweep_plan(tiles, batches, lengths, formats, args.head_dim)
             return 0
-        return 0 if sweep(tiles, batches, lengths, formats, args.max_gb, args.head_dim, args.rep) else 1
+        split_counts = tuple(int(n) for n in args.splits.split(","))
+        return 0 if sweep(tiles, batches, lengths, formats, args.max_gb, args.head_dim, args.rep, split_counts) else 1
     args.lengths = args.lengths or "4096,32768,131072"
     time_all(tuple(int(b) for b in args.batches.split(",")), tuple(int(s) for s in args.lengths.split(",")),
              args.max_gb)

@@ -4,6 +4,9 @@ Every candidate of `variants.decode_sweep_variants` (the launcher's table first)
 float64 on `cuda_decode.tile_cases` (a failing one is refused, never timed), then timed per
 (B, keys, format) of a Llama-3-8B decode step from CUDA-graph replays beside cuDNN on the dense
 problem; the best per row, then a summary. `--dry-run` lists candidates and splits on the CPU.
+`--splits 0,48,66` times each candidate at those key-split counts too (0: the launcher's heuristic;
+a forced count is clamped as the launcher clamps it), labelled `tile/sN`: B = 1 decoding ran 0.85x
+cuDNN with the heuristic's 29 splits (2 blocks per SM, 8 programs), so more splits are the question.
 """
 from __future__ import annotations
 
@@ -49,7 +52,8 @@ def _lse_error(q, k, lse, seq=0) -> float:
     return float((lse[seq].double() - ref).abs().max())
 
 
-def sweep(tiles, batches, lengths, formats, max_gb: float, head_dim: int = 128, rep: int = 50) -> bool:
+def sweep(tiles, batches, lengths, formats, max_gb: float, head_dim: int = 128, rep: int = 50,
+          split_counts=(0,)) -> bool:
     """The decode tile sweep (Llama-3-8B decode: 32 q heads, 8 kv heads, bf16, one new token): every candidate
     checked first on `tile_cases` against float64 (a failing one is refused, never timed), then each row
     (B, keys, format) times every candidate from a CUDA-graph replay through `launch_decode.forward(...,
@@ -91,6 +95,8 @@ def sweep(tiles, batches, lengths, formats, max_gb: float, head_dim: int = 128, 
             return float("nan")
 
     table = {}
+    timed_as = [(cand, n) for cand in passed for n in split_counts]
+    labels = [_label(cand, n, split_counts) for cand, n in timed_as]
     print(f"{'B':>3} {'Sk':>7} {'format':<8} {'tile':<11} {'KB':>4} {'/SM':>3} {'splits':>6} {'ms':>8} {'GB/s':>7} "
           f"{'xcuDNN':>6} {'lse err':>8}", flush=True)
     for b, s, gbytes, q, k, v, lens in llama_decode_inputs(batches, lengths, max_gb, head_dim):
@@ -112,34 +118,42 @@ def sweep(tiles, batches, lengths, formats, max_gb: float, head_dim: int = 128, 
             p = p._replace(arch=arch)
             xv = backend_view(p, x)
             row = table.setdefault((b, s, fmt), {"cudnn": ref_gbps})
-            for cand in passed:
+            for (cand, forced), label in zip(timed_as, labels):
                 try:
                     tv = tile_variant(p, cand)
                 except ValueError as err:
-                    print(f"{b:>3} {s:>7} {fmt:<8} {tile_label(cand):<11} skipped: {err}", flush=True)
+                    print(f"{b:>3} {s:>7} {fmt:<8} {label:<11} skipped: {err}", flush=True)
                     continue
-                splits = launch_decode.prepare(p, xv, sms, variant=tv).splits
-                replay = _graphed(lambda: launch_decode.forward(p, xv, variant=tv))
+                n = forced or None
+                splits = launch_decode.prepare(p, xv, sms, variant=tv, splits=n).splits
+                replay = _graphed(lambda: launch_decode.forward(p, xv, variant=tv, splits=n))
                 ms = quick(replay) if replay is not None else float("nan")
                 gbps = gbytes / ms * 1e3
                 err = ""
                 if fmt == "cache":
-                    err = f"{_lse_error(q, k, launch_decode.forward(p, xv, variant=tv)[1]):8.1e}"
-                row[tile_label(cand)] = gbps
-                print(f"{b:>3} {s:>7} {fmt:<8} {tile_label(cand):<11} {tv.shared_bytes() // 1024:>4} "
+                    err = f"{_lse_error(q, k, launch_decode.forward(p, xv, variant=tv, splits=n)[1]):8.1e}"
+                row[label] = gbps
+                print(f"{b:>3} {s:>7} {fmt:<8} {label:<11} {tv.shared_bytes() // 1024:>4} "
                       f"{launch_decode.blocks_per_sm(tv, p.capability):>3} {splits:>6} {ms:8.3f} {gbps:7.0f} "
                       f"{gbps / ref_gbps:6.2f} {err:>8}", flush=True)
             timed = {t: g for t, g in row.items() if t != "cudnn" and g == g}
             if timed:
                 best = max(timed, key=timed.get)
                 print(f"{b:>3} {s:>7} {fmt:<8} BEST {best} {timed[best]:.0f} GB/s = {timed[best] / ref_gbps:.2f}x "
-                      f"cuDNN, {timed[best] / timed.get(tile_label(passed[0]), float('nan')):.2f}x "
-                      f"{tile_label(passed[0])}", flush=True)
+                      f"cuDNN, {timed[best] / timed.get(labels[0], float('nan')):.2f}x "
+                      f"{labels[0]}", flush=True)
             kk = vv = x = xv = None
         q = k = v = lens = None  # (llama_decode_inputs frees them before the next step's)
-    _sweep_summary(table, [tile_label(t) for t in passed])
+    _sweep_summary(table, labels)
     print(f"sweep done in {time.perf_counter() - start:.0f} s")
     return len(passed) == len(tiles)
+
+
+def _label(tile, splits: int, split_counts) -> str:
+    """The candidate's name in the tables: the tile, plus `/sN` when several split counts are timed."""
+    if len(split_counts) == 1 and not split_counts[0]:
+        return tile_label(tile)
+    return f"{tile_label(tile)}/s{splits}" if splits else f"{tile_label(tile)}/auto"
 
 
 def _sweep_summary(table, labels) -> None:

@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-sweep varlen-cuda
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-sweep decode-splits varlen-cuda
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -121,6 +121,10 @@ for step in "$@"; do
     exact-alpha) run_step exact-alpha 150 python3 -m benchmarks.exact_alpha ;;
     # ways to find NaN rows for the torch backend's lse fix-up (its amax: 0.34 ms of a 1k training step)
     nan-rows) run_step nan-rows 90 python3 -m benchmarks.nan_rows ;;
+    # key splits beyond the heuristic's (B = 1: 29 splits x 8 programs on 264 slots ran 0.85x cuDNN)
+    decode-splits) run_step decode-splits 240 bash -c 'for b in "1 0,33,66,99" "8 0,8,12"; do set -- $b
+            python3 -m benchmarks.cuda_decode sweep --tile n16w4s3 --exact-alpha --batches $1 --formats cache,paged16 \
+                --splits $2 || exit 1; done' ;;
     # the decode tile sweep (each candidate checked against float64 first), EXACT_ALPHA's twin included
     decode-sweep) run_step decode-sweep 150 python3 -m benchmarks.cuda_decode sweep --exact-alpha ;;
     # the Ampere-family varlen forward (VARLEN knob, written offline): check, garbage cu_seqlens under

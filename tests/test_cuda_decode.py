@@ -222,6 +222,16 @@ def test_sweep_dry_run_lists_every_candidate(capsys):
     assert all(f"{label} " in out for label in D128_CANDIDATES + ["n16w4s3+ea"])
 
 
+def test_sweep_labels_name_forced_split_counts():
+    """`--splits 0,48`: each candidate timed at the heuristic's count and at 48, under distinct labels."""
+    from benchmarks.decode_sweep import _label
+
+    tile = variants.decode_sweep_variants(128)[0]
+    assert _label(tile, 0, (0,)) == cuda_decode.tile_label(tile)
+    labels = {_label(tile, n, (0, 48)) for n in (0, 48)}
+    assert labels == {cuda_decode.tile_label(tile) + "/auto", cuda_decode.tile_label(tile) + "/s48"}
+
+
 def test_copy_map_of_every_candidate():
     """load_kv's lane -> (row, column chunk, page register) map covers each block once (64-key blocks: two
     page registers per lane), and the static_asserts' limits are the emulation's."""
