@@ -8,6 +8,8 @@ On the H200 (2026-12-02, benchmarks/results/h200-2026-12-02-run2/profile-calls.l
 `amax(-1)` reductions took 168 us each for a B16 H32 S1k d64 bf16 tensor (~400 GB/s), 0.34 ms of a
 1.80 ms training step that SDPA-cuDNN runs in 1.44 ms. Each candidate below gives the same boolean
 rows on every input here, NaN and infinities included (`check`); the GPU timing then picks one.
+Picked (H200, 2026-12-02, benchmarks/results/h200-2026-12-02-run3/nan-rows.log): abs-matvec, 66 us
+against amax's 166 us (isnan-words 75 us); the torch backend's `_rows_with_nan` is that way now.
 """
 from __future__ import annotations
 

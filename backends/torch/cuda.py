@@ -143,10 +143,10 @@ def nan_rows_to_lse(p: Problem, q: torch.Tensor, k: torch.Tensor, lse: torch.Ten
     if p.group_size > 1:
         key_nan = key_nan.repeat_interleave(p.group_size, dim=1)
     if uses_is_causal(p):
-        seen = key_nan.to(torch.uint8).cummax(-1).values.bool()               # keys 0..i, Sq == Sk
+        seen = key_nan.cumsum(-1).bool()                                      # keys 0..i, Sq == Sk
     else:
         seen = key_nan.any(-1, keepdim=True)
-    return torch.where(_rows_with_nan(q) | seen, torch.full_like(lse, float("nan")), lse)
+    return lse.masked_fill(_rows_with_nan(q) | seen, float("nan"))  # few ops: each is host time at 1k tokens
 
 
 def _rows_with_nan(t: torch.Tensor) -> torch.Tensor:
