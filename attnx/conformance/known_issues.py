@@ -38,7 +38,7 @@ def _within_ulps(result: Result, ulps: float = 2.0) -> bool:
     if result.case.dtype not in LOW:
         return False
     over = _numeric_failures(result)
-    if not over:
+    if not over or "lse" in over:  # lse is float32 whatever the inputs: ulps of the input dtype say nothing
         return False
     eps = torch.finfo(result.case.torch_dtype).eps
     return all(result.errors[n] <= result.bounds[n] + ulps * eps * max(1.0, result.magnitudes.get(n, 0.0))
@@ -61,6 +61,15 @@ def _large_logit_gradients(result: Result) -> bool:
     return bool(result.case.large_logits and result.case.grad and over and over <= {"dq", "dk", "dsinks"})
 
 
+def _blocked_prescaled_lse(result: Result) -> bool:
+    """blocked's lse at logits of 1e4 with heavy cancellation in q.k: q is multiplied by scale * log2(e) in
+    float32 before the dot product, so its products are rounded (the formula's are exact for 16-bit
+    inputs); at most 4x over the bound, lse alone."""
+    over = _numeric_failures(result)
+    return bool(result.backend == "blocked" and result.case.large_logits and over == {"lse"}
+                and result.errors["lse"] <= 4 * result.bounds["lse"])
+
+
 def _raised(result: Result, text: str) -> bool:
     return any(f.startswith("raised") and text in f.splitlines()[0] for f in result.failures)
 
@@ -80,6 +89,9 @@ KNOWN_ISSUES = (
     KnownIssue("E3", "dmask of an additive mask stored in a coarser dtype than q (e.g. a bf16 mask on float32 q): "
                      "the gradient is returned in the mask's dtype, the bound follows q's; within 2 ulps of the mask "
                      "dtype", _mask_dtype_rounding),
+    KnownIssue("E4", "blocked backend: lse at |logits| = 1e4 with heavy cancellation in q.k, up to 4x over its "
+                     "16-ulp bound (q scaled by scale * log2 e in float32 before the dot product)",
+               _blocked_prescaled_lse),
     KnownIssue("E2", "fp16/bf16 gradients at |logits| = 1e4: FlashAttention's dP - rowsum(dO * O) cancels in "
                      "float32 and is multiplied by the (large) scale; the formula's own error does not see it",
                _large_logit_gradients),
