@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-sweep decode-splits varlen-cuda
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-sweep decode-splits varlen-cuda reliability
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -32,6 +32,11 @@ for step in "$@"; do
                tests/test_index_bounds.py tests/test_index_validation.py tests/test_kvcache_object.py \
                tests/test_cuda_gpu.py tests/test_compat_torch_backend.py tests/test_call_memo.py \
                tests/test_gpu_integration.py tests/test_torch_declarations.py tests/test_compat_transformers.py ;;
+    # issue 13 items 3-4 and issue 12's entry points where they have GPU parts: caches (8 processes, damaged
+    # and read-only caches, cuda end to end), threads and streams, the SDPA / flash-attn modules, compile
+    reliability) run_step reliability 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_reliability_cache.py \
+               tests/test_reliability_threads.py tests/test_caches.py tests/test_threads.py tests/test_compat_sdpa.py \
+               tests/test_compat_flash_attn.py tests/test_autograd_compile.py tests/test_inference_mode.py ;;
     hopper-check) run_step hopper-check 220 python3 -m benchmarks.hopper_backward check ;;
     hopper-time) [ -n "${passed[hopper-check]:-}" ] && run_step hopper-time 200 \
                python3 -m benchmarks.hopper_backward time --seqlens 4096,16384 ;;
