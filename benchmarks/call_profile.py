@@ -76,6 +76,35 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _host_ms(fn, device: str, steps: int) -> float:
+    """Host time per step: the loop's wall time before the closing synchronisation (the launches are
+    queued, not waited for, so this is the Python and launch cost; it equals the step time when the
+    host is the bottleneck)."""
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    host = time.perf_counter() - start
+    _sync(device)
+    return host / steps * 1e3
+
+
+def _python_profile(fn, steps: int) -> str:
+    """cProfile of `steps` calls of `fn`: where the host time goes, by function."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        fn()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(15)
+    return text.getvalue()
+
+
 def _step_table(fn, device: str, steps: int) -> tuple[float, str]:
     """(ms per step, the profiler's table by kernel) for `fn()` run `steps` times after a warm-up."""
     from torch.profiler import ProfilerActivity, profile
@@ -97,7 +126,7 @@ def _step_table(fn, device: str, steps: int) -> tuple[float, str]:
     return ms, prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=70)
 
 
-def profile_training(device: str, seqlen: int, head_dim: int, steps: int, tokens: int) -> str:
+def profile_training(device: str, seqlen: int, head_dim: int, steps: int, tokens: int, causal: bool = False) -> str:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -106,22 +135,24 @@ def profile_training(device: str, seqlen: int, head_dim: int, steps: int, tokens
     q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device=device, dtype=dtype, generator=gen)
                .requires_grad_() for _ in range(3))
     dout = torch.randn(batch, heads, seqlen, head_dim, device=device, dtype=dtype, generator=gen)
-    pick = attnx.explain(q, k, v).chosen
+    pick = attnx.explain(q, k, v, causal=causal).chosen
 
     def through_attnx():
-        attnx.attention(q, k, v).backward(dout)
+        attnx.attention(q, k, v, causal=causal).backward(dout)
 
     def through_sdpa():
         kind = SDPBackend.CUDNN_ATTENTION if device == "cuda" else SDPBackend.MATH
         with sdpa_kernel(kind):
-            torch.nn.functional.scaled_dot_product_attention(q, k, v).backward(dout)
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(dout)
 
-    lines = [f"training step, B={batch} H={heads} S={seqlen} D={head_dim} {str(dtype)[6:]} on {device}; "
-             f"attnx picks {pick}"]
+    lines = [f"training step, B={batch} H={heads} S={seqlen} D={head_dim} {str(dtype)[6:]} causal={causal} "
+             f"on {device}; attnx picks {pick}"]
     for name, fn in ((f"attnx ({pick})", through_attnx), ("SDPA (cuDNN)" if device == "cuda" else "SDPA (math)",
                                                           through_sdpa)):
         ms, table = _step_table(fn, device, steps)
-        lines += [f"\n== {name}: {ms:.3f} ms per step", table]
+        host = _host_ms(fn, device, 4 * steps)
+        lines += [f"\n== {name}: {ms:.3f} ms per step, host {host:.3f} ms per step (queued, not waited for)", table]
+    lines += ["\n== attnx step, Python profile", _python_profile(through_attnx, 4 * steps)]
     return "\n".join(lines)
 
 
@@ -136,11 +167,12 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=16384, help="training: B x S")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--causal", action="store_true", help="training: causal steps")
     args = parser.parse_args(argv)
     if args.what == "decode":
         print(profile_decode(args.device, args.format, args.calls, args.keys))
     else:
-        print(profile_training(args.device, args.seqlen, args.head_dim, args.steps, args.tokens))
+        print(profile_training(args.device, args.seqlen, args.head_dim, args.steps, args.tokens, args.causal))
     return 0
 
 

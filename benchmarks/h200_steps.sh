@@ -99,7 +99,8 @@ for step in "$@"; do
     # training step against SDPA-cuDNN at 1k tokens (torch.profiler tables)
     profile-calls) run_step profile-calls 150 bash -c 'for fmt in cache paged; do
             python3 -m benchmarks.call_profile decode --format $fmt; done
-            for d in 64 128; do python3 -m benchmarks.call_profile training --seqlen 1024 --head-dim $d; done' ;;
+            for d in 64 128; do python3 -m benchmarks.call_profile training --seqlen 1024 --head-dim $d; done
+            python3 -m benchmarks.call_profile training --seqlen 1024 --head-dim 128 --causal' ;;
     # the conformance grid of the cuda backend under each compute-sanitizer tool (issue 13: full grid), in
     # 8 shards at once per tool (one process under a tool is slow: memcheck and racecheck each ran past 120 s
     # alone on 2026-12-02; not quiet, so a finding is followed by its case line). SANITIZE_TOOLS picks tools,

@@ -90,6 +90,8 @@ def test_call_profile_reports_the_pick_and_the_tables(capsys):
     assert call_profile.main(["decode", "--device", "cpu", "--calls", "3", "--keys", "64", "--format", "paged"]) == 0
     out = capsys.readouterr().out
     assert "the dispatcher picks blocked" in out and "ms per eager call" in out and "tottime" in out
-    assert call_profile.main(["training", "--device", "cpu", "--seqlen", "32", "--tokens", "64", "--steps", "1"]) == 0
+    assert call_profile.main(["training", "--device", "cpu", "--seqlen", "32", "--tokens", "64", "--steps", "1",
+                              "--causal"]) == 0
     out = capsys.readouterr().out
-    assert out.count("ms per step") == 2 and "attnx picks" in out
+    assert out.count("ms per step (queued") == 2 and "attnx picks" in out and "causal=True" in out
+    assert "Python profile" in out and "tottime" in out
