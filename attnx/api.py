@@ -24,6 +24,11 @@ def _check_return_lse(return_lse) -> None:
         raise InvalidTypeError(f"`return_lse` must be a bool, got {return_lse!r}")
 
 
+def _check_backend(backend) -> None:
+    if backend is not None and not isinstance(backend, str):
+        raise InvalidTypeError(f"`backend` must be a backend name (a str) or None, got {type(backend).__name__}")
+
+
 def _execute(p: Problem, x, backend: Optional[str], memo_key: Optional[tuple] = None):
     """Run `p`; a plain call's `memo_key` remembers which backend ran it (see `call_memo.Run`)."""
     if p.is_empty:
@@ -112,6 +117,7 @@ def attention(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
     if known is not None:  # validated before: choose, run, and remember the Run from now on
         out, lse = _execute(call_memo.problem_of(known), Inputs(q, k, v), backend, memo_key)
         return (out, lse) if return_lse else out
+    _check_backend(backend)
     options = dict(causal=causal, window=window, offset=offset, mask=mask, scale=scale, softcap=softcap,
                    alibi_slopes=alibi_slopes, sinks=sinks, layout=layout, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -135,6 +141,7 @@ def explain(q, k, v, *, backend=None, return_lse=False, **options) -> Decision:
     declines. ``print(attnx.explain(q, k, v, causal=True))`` shows it as a table.
     """
     _check_return_lse(return_lse)
+    _check_backend(backend)
     p = make_call(q, k, v, **options, wants_lse=return_lse)[0]
     if backend is not None:
         get_backend(backend)
@@ -160,6 +167,10 @@ class Plan:
 
     def run(self, q, k, v, **tensors):
         """``attention(q, k, v, ...)`` with the planned options and backend."""
+        return self._execute(*self._check(q, k, v, tensors))
+
+    def _check(self, q, k, v, tensors: dict):
+        """Validate a call's tensors against the plan (raising before anything runs): its ``(Problem, Inputs)``."""
         unknown = set(tensors) - set(self._TENSOR_OPTIONS)
         if unknown:
             raise InvalidArgumentError(f"Plan.run takes tensors only; fixed at plan time: {', '.join(sorted(unknown))}")
@@ -168,6 +179,9 @@ class Plan:
             changed = [f"{name} {getattr(self.problem, name)!r} -> {getattr(p, name)!r}"
                        for name in Problem._fields if getattr(p, name) != getattr(self.problem, name)]
             raise InvalidArgumentError("these tensors do not have the planned signature: " + "; ".join(changed))
+        return p, x
+
+    def _execute(self, p: Problem, x: Inputs):
         out, lse = empty_attention(p, x) if p.is_empty else run(p, self.backend, x)
         return (out, lse) if self._return_lse else out
 
@@ -187,8 +201,11 @@ def plan(q, k, v, *, backend=None, return_lse=False, **options) -> Plan:
             out = step.run(q, k_pages, v_pages, seqlens_k=lengths, page_table=table)
     """
     _check_return_lse(return_lse)
+    _check_backend(backend)
     p = make_call(q, k, v, **options, wants_lse=return_lse)[0]
     chosen = None if p.is_empty else choose(p, backend)
     if chosen is not None:
         chosen.prepare(p)
+    elif backend is not None:
+        get_backend(backend)  # an empty problem runs no backend, but an unknown name is still an error
     return Plan(p, chosen, options, return_lse)

@@ -21,7 +21,9 @@ from typing import Optional
 
 import torch
 
-from .api import Plan, attention, plan
+from .api import Plan, _check_backend as check_backend, _check_return_lse as check_return_lse, attention, plan
+from . import index_checks
+from .dispatch import choose
 from .errors import InvalidArgumentError, InvalidTypeError
 from .kvcache_append import CacheCapacityError, check_layout, new_tokens, packed_counts, write_tokens
 from .kvcache_pages import PageAllocator
@@ -77,6 +79,14 @@ def _check_page_table(page_table, num_pages: int, device) -> None:
     if page_table.numel() and (int(page_table.min()) < 0 or int(page_table.max()) >= num_pages):  # one sync
         raise InvalidArgumentError(f"`page_table` must name pages in [0, {num_pages}), got values in "
                                    f"[{int(page_table.min())}, {int(page_table.max())}]")
+
+
+def _check_packed_q(q, counts: list[int]) -> None:
+    """Packed ``q`` appended with packed ``k``/``v`` holds the rows their ``cu_seqlens`` describes (checked
+    before the write: the attention reads the offsets' values only after it)."""
+    if isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[0] != sum(counts):
+        raise InvalidArgumentError(f"`q` must hold the {sum(counts)} packed rows `cu_seqlens` describes (as "
+                                   f"`k`/`v` do), got {q.shape[0]}")
 
 
 class KVCache:
@@ -147,7 +157,12 @@ class KVCache:
         head_dim_v = head_dim if head_dim_v is None else _count("head_dim_v", head_dim_v, 1)
         if dtype not in FLOAT_DTYPES:
             raise InvalidTypeError(f"`dtype` must be float16, bfloat16, float32 or float64, got {dtype!r}")
-        device = torch.device("cpu" if device is None else device)
+        try:
+            device = torch.device("cpu" if device is None else device)
+        except TypeError:
+            raise InvalidTypeError(f"`device` must be a torch.device, a str or None, got {device!r}") from None
+        except RuntimeError as err:
+            raise InvalidArgumentError(f"`device` must name a torch device, got {device!r} ({err})") from None
         if page_size is None:
             if num_pages is not None:
                 raise InvalidArgumentError("`num_pages` needs `page_size` (a paged cache)")
@@ -243,7 +258,9 @@ class KVCache:
         """Set every sequence's length (e.g. to drop rejected speculative tokens): a list of ints or an
         int32 ``(B,)`` tensor (read once: a device sync on a GPU). Kept keys are not touched."""
         if isinstance(lengths, torch.Tensor):
-            if lengths.dtype not in (torch.int32, torch.int64) or tuple(lengths.shape) != (self.batch,):
+            if lengths.dtype not in (torch.int32, torch.int64):
+                raise InvalidTypeError(f"`lengths` must be an int32 or int64 tensor, got {lengths.dtype}")
+            if tuple(lengths.shape) != (self.batch,):
                 raise InvalidArgumentError(f"`lengths` must be an integer tensor of shape ({self.batch},), got "
                                            f"{lengths.dtype} {tuple(lengths.shape)}")
             values = lengths.tolist()
@@ -355,9 +372,19 @@ class KVCache:
             counts = self._new_tokens(k, v, layout, cu_seqlens)
             if cu_seqlens is not None and "max_seqlen_q" not in call:
                 call["max_seqlen_q"] = max(counts, default=0)
-            make_problem(q, **self.inputs(layout), **call)  # q and every option checked before the write
-            if backend is not None:
-                get_backend(backend)
+            if cu_seqlens is not None:
+                _check_packed_q(q, counts)
+            check_return_lse(return_lse)
+            check_backend(backend)
+            # q, every option and the backend checked before the write: a backend that declines the
+            # call raises NoBackendError here, not after the new tokens are in (the decision depends on
+            # shapes, never on the lengths, so it is the one `attention` makes below)
+            p = make_problem(q, **self.inputs(layout), **call, wants_lse=return_lse)
+            if p.is_empty:
+                if backend is not None:
+                    get_backend(backend)
+            else:
+                choose(p, backend)
             self._commit(k, v, layout, cu_seqlens, counts)
         return attention(q, **self.inputs(layout), **call, backend=backend, return_lse=return_lse)
 
@@ -405,24 +432,35 @@ class CachePlan:
         """Append ``k``/``v`` (if given) and attend ``q`` over the cache with the planned backend."""
         if (cu_seqlens is not None) != self._packed:
             raise InvalidArgumentError("`cu_seqlens` must be given exactly when the plan was made with it")
-        if not isinstance(q, torch.Tensor) or (tuple(q.shape), q.dtype, q.device) != self._q:
-            got = (tuple(q.shape), q.dtype, q.device) if isinstance(q, torch.Tensor) else type(q).__name__
-            raise InvalidArgumentError(f"`q` must have the planned shape, dtype and device {self._q}, got {got}")
+        if not isinstance(q, torch.Tensor):
+            raise InvalidTypeError(f"`q` must be a torch.Tensor, got {type(q).__name__}")
+        if (tuple(q.shape), q.dtype, q.device) != self._q:
+            raise InvalidArgumentError(f"`q` must have the planned shape, dtype and device {self._q}, got "
+                                       f"{(tuple(q.shape), q.dtype, q.device)}")
         if (k is None) != (v is None):
             raise InvalidArgumentError("give both `k` and `v` (new tokens to append), or neither")
         tensors = dict(self._tensors)
         if cu_seqlens is not None:
             tensors["cu_seqlens_q"] = cu_seqlens
-        if k is not None:
-            counts = self.cache._new_tokens(k, v, self._layout, cu_seqlens)
-            if self._packed and max(counts, default=0) > self._max_q:
+        if k is None:
+            if self._packed and max(packed_counts(cu_seqlens, self.cache.batch, q.shape[0]), default=0) > self._max_q:
+                raise InvalidArgumentError(f"`cu_seqlens` holds more queries per sequence than the planned "
+                                           f"max_seqlen_q = {self._max_q}")
+            return self.plan.run(q, **self.cache.inputs(self._layout), **tensors)
+        counts = self.cache._new_tokens(k, v, self._layout, cu_seqlens)
+        if self._packed:
+            if max(counts, default=0) > self._max_q:
                 raise InvalidArgumentError(f"`cu_seqlens` brings {max(counts)} tokens to one sequence, more than "
                                            f"the planned max_seqlen_q = {self._max_q}")
-            self.cache._commit(k, v, self._layout, cu_seqlens, counts)
-        elif self._packed and max(packed_counts(cu_seqlens, self.cache.batch, q.shape[0]), default=0) > self._max_q:
-            raise InvalidArgumentError(f"`cu_seqlens` holds more queries per sequence than the planned "
-                                       f"max_seqlen_q = {self._max_q}")
-        return self.plan.run(q, **self.cache.inputs(self._layout), **tensors)
+            _check_packed_q(q, counts)
+        # the whole signature (q's gradient state included) checked before the write; the cache's tensors
+        # are updated in place, so the checked inputs are those the planned backend then reads
+        inputs = self.cache.inputs(self._layout)
+        p, x = self.plan._check(q, inputs.pop("k"), inputs.pop("v"), {**inputs, **tensors})
+        self.cache._commit(k, v, self._layout, cu_seqlens, counts)
+        if index_checks.validating() and not p.is_empty:  # debugging mode: the lengths after the append too
+            index_checks.read_indices(p, x, check_longest=True)
+        return self.plan._execute(p, x)
 
     __call__ = run
 

@@ -10,6 +10,7 @@ runs, and returns the `Problem` with the call's `Inputs`.
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from typing import NamedTuple, Optional
 
@@ -237,9 +238,13 @@ def _offset(value, seqlen_q: int, seqlen_k: int, q_format: str, kv_format: str) 
 
 
 def _finite_float(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # any real number (numpy scalars too, as torch's SDPA takes them); not a bool, a tensor or a str
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or isinstance(value, torch.Tensor):
         raise InvalidTypeError(f"`{name}` must be a float, got {value!r}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond float's range
+        raise InvalidArgumentError(f"`{name}` must be finite, got an int of {value.bit_length()} bits") from None
     if not math.isfinite(value):
         raise InvalidArgumentError(f"`{name}` must be finite, got {value}")
     return value

@@ -1,0 +1,199 @@
+"""Regression tests from an adversarial review of the core API (attnx/api.py, problem.py, kvcache*.py,
+merge.py, ...): each test names the defect it pins down. CPU, small shapes."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import attnx
+from attnx import CacheCapacityError, InvalidArgumentError, InvalidTypeError, KVCache, NoBackendError
+
+
+def _i32(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _state(cache):
+    """Everything an append may change: the host and device lengths, the storage, the page table, free pages."""
+    table = None if cache.page_table is None else cache.page_table.clone()
+    return (cache.seqlens, cache.lengths.clone(), cache.k.clone(), cache.v.clone(), table, cache.free_pages)
+
+
+def _assert_untouched(cache, before):
+    after = _state(cache)
+    assert after[0] == before[0]
+    assert torch.equal(after[1], before[1])
+    assert torch.equal(after[2].nan_to_num(), before[2].nan_to_num())  # storage is torch.empty: NaN may be there
+    assert torch.equal(after[3].nan_to_num(), before[3].nan_to_num())
+    assert (after[4] is None) == (before[4] is None) and (after[4] is None or torch.equal(after[4], before[4]))
+    assert after[5] == before[5]
+
+
+def _cache(page_size, num_pages=None):
+    torch.manual_seed(0)
+    cache = KVCache.allocate(2, 16, 2, 8, page_size=page_size, num_pages=num_pages)
+    cache.append(torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8))
+    return cache
+
+
+KINDS = [(None, None), (1, None), (4, None), (4, 10)]
+KIND_IDS = ["contiguous", "page1", "page4", "page4-shared"]
+
+
+# -- KVCache.attend: every failure before the write ------------------------------------------------
+@pytest.mark.parametrize("page_size,num_pages", KINDS, ids=KIND_IDS)
+def test_attend_with_a_declining_backend_leaves_the_cache_untouched(page_size, num_pages):
+    """Was: the new tokens were appended, then `attention` raised NoBackendError (torch declines caches)."""
+    cache = _cache(page_size, num_pages)
+    before = _state(cache)
+    with pytest.raises(NoBackendError):
+        cache.attend(torch.randn(2, 4, 1, 8), torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8), backend="torch")
+    _assert_untouched(cache, before)
+
+
+@pytest.mark.parametrize("page_size,num_pages", KINDS, ids=KIND_IDS)
+def test_attend_with_a_bad_return_lse_leaves_the_cache_untouched(page_size, num_pages):
+    """Was: appended, then InvalidTypeError for `return_lse`."""
+    cache = _cache(page_size, num_pages)
+    before = _state(cache)
+    with pytest.raises(InvalidTypeError, match="`return_lse`"):
+        cache.attend(torch.randn(2, 4, 1, 8), torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8), return_lse=1)
+    _assert_untouched(cache, before)
+
+
+@pytest.mark.parametrize("page_size,num_pages", KINDS, ids=KIND_IDS)
+def test_attend_packed_q_of_another_length_leaves_the_cache_untouched(page_size, num_pages):
+    """Was: appended, then the backend's host check of `cu_seqlens_q` raised (q has 4 rows, cu_seqlens 3)."""
+    cache = _cache(page_size, num_pages)
+    before = _state(cache)
+    with pytest.raises(InvalidArgumentError, match="`q`"):
+        cache.attend(torch.randn(4, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8), cu_seqlens=_i32(0, 1, 3))
+    _assert_untouched(cache, before)
+
+
+def test_attend_backend_not_a_str_names_backend_and_leaves_the_cache_untouched():
+    cache = _cache(None)
+    before = _state(cache)
+    with pytest.raises(InvalidTypeError, match="`backend`"):
+        cache.attend(torch.randn(2, 4, 1, 8), torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8), backend=3)
+    _assert_untouched(cache, before)
+
+
+@pytest.mark.parametrize("page_size,num_pages", KINDS, ids=KIND_IDS)
+def test_attend_still_appends_and_attends(page_size, num_pages):
+    """The checks moved before the write change nothing for a good call (against the naive oracle)."""
+    cache = _cache(page_size, num_pages)
+    q, k, v = torch.randn(3, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    out, lse = cache.attend(q, k, v, cu_seqlens=_i32(0, 1, 3), causal=True, return_lse=True, backend="blocked")
+    assert cache.seqlens == [4, 5]
+    for b, (start, stop) in enumerate(((0, 1), (1, 3))):
+        keys, values = cache.sequence(b)
+        want, want_lse = attnx.attention(q[start:stop].transpose(0, 1)[None], keys[None], values[None], causal=True,
+                                         backend="naive", return_lse=True)
+        torch.testing.assert_close(out[start:stop], want[0].transpose(0, 1))
+        torch.testing.assert_close(lse[:, start:stop], want_lse[0])
+
+
+# -- CachePlan.run: the whole signature checked before the write --------------------------------------
+@pytest.mark.parametrize("page_size,num_pages", KINDS, ids=KIND_IDS)
+def test_cache_plan_run_with_q_needing_grad_leaves_the_cache_untouched(page_size, num_pages):
+    """Was: `run` checked q's shape, dtype and device, appended, then `Plan.run` refused q's gradients."""
+    cache = _cache(page_size, num_pages)
+    step = cache.plan(torch.randn(2, 4, 1, 8), causal=True)
+    before = _state(cache)
+    with pytest.raises(InvalidArgumentError, match="needs_grad"):
+        step.run(torch.randn(2, 4, 1, 8, requires_grad=True), torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8))
+    _assert_untouched(cache, before)
+    q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8)
+    out = step.run(q, k, v)                                 # and a good step still runs, over the new tokens
+    assert cache.seqlens == [4, 4]
+    keys, values = cache.sequence(1)
+    torch.testing.assert_close(out[1:], attnx.attention(q[1:], keys[None], values[None], causal=True, backend="naive"))
+
+
+def test_cache_plan_run_packed_q_of_another_length_leaves_the_cache_untouched():
+    cache = _cache(4)
+    step = cache.plan(torch.randn(3, 4, 8), cu_seqlens=_i32(0, 1, 3), max_seqlen_q=2, causal=True)
+    before = _state(cache)
+    with pytest.raises(InvalidArgumentError, match="`q`"):
+        step.run(torch.randn(3, 4, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8), cu_seqlens=_i32(0, 1, 2))
+    _assert_untouched(cache, before)
+
+
+def test_cache_plan_run_q_not_a_tensor_is_a_type_error():
+    cache = _cache(None)
+    step = cache.plan(torch.randn(2, 4, 1, 8))
+    with pytest.raises(InvalidTypeError, match="`q`"):
+        step.run([1.0], torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8))
+    assert cache.seqlens == [3, 3]
+
+
+def test_cache_plan_run_under_validate_indices():
+    cache = _cache(4)
+    step = cache.plan(torch.randn(2, 4, 1, 8), causal=True)
+    with attnx.validate_indices():
+        step.run(torch.randn(2, 4, 1, 8), torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8))
+    assert cache.seqlens == [4, 4]
+
+
+# -- KVCache arguments ---------------------------------------------------------------------------
+def test_set_lengths_float_tensor_is_a_type_error():
+    """Was InvalidArgumentError; docs/errors.md: a wrong dtype is an InvalidTypeError."""
+    cache = _cache(None)
+    with pytest.raises(InvalidTypeError, match="`lengths`"):
+        cache.set_lengths(torch.tensor([1.0, 2.0]))
+    with pytest.raises(InvalidArgumentError, match="`lengths`"):
+        cache.set_lengths(_i32(1, 2, 3))
+    assert cache.seqlens == [3, 3]
+
+
+@pytest.mark.parametrize("device,error", [("no-such-device", InvalidArgumentError), (3.5, InvalidTypeError)])
+def test_allocate_bad_device_is_typed(device, error):
+    """Was a bare RuntimeError/TypeError from torch.device."""
+    with pytest.raises(error, match="`device`"):
+        KVCache.allocate(1, 4, 2, 8, device=device)
+
+
+# -- plan / explain / attention --------------------------------------------------------------------
+def test_plan_of_an_empty_problem_checks_the_backend_name():
+    """Was: accepted (`attention` and `explain` raise for the same call)."""
+    q = torch.randn(0, 2, 4, 8)
+    with pytest.raises(InvalidArgumentError, match="no-such"):
+        attnx.plan(q, q, q, backend="no-such")
+    with pytest.raises(InvalidArgumentError, match="no-such"):
+        attnx.attention(q, q, q, backend="no-such")
+
+
+@pytest.mark.parametrize("entry", ["attention", "plan", "explain"])
+@pytest.mark.parametrize("backend", [3, ["naive"], ("naive",)])
+def test_backend_not_a_str_names_the_argument(entry, backend):
+    """Was "a backend name must be a str" (from the registry), without the argument's name."""
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(InvalidTypeError, match="`backend`"):
+        getattr(attnx, entry)(q, q, q, backend=backend)
+
+
+def test_scale_beyond_float_range_is_typed():
+    """Was a bare OverflowError from float(10**400)."""
+    q = torch.randn(1, 1, 3, 4)
+    with pytest.raises(InvalidArgumentError, match="`scale`"):
+        attnx.attention(q, q, q, scale=10 ** 400)
+    with pytest.raises(InvalidArgumentError, match="`softcap`"):
+        attnx.attention(q, q, q, softcap=-10 ** 400)
+
+
+@pytest.mark.parametrize("value", [np.float32(0.25), np.float64(0.25), np.int64(2)])
+def test_numpy_scalars_are_numbers(value):
+    """Was InvalidTypeError: docs/errors.md rejects a scale that is "not a number"; torch's SDPA takes these."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    want = attnx.attention(q, k, v, scale=float(value), softcap=float(value), backend="naive")
+    torch.testing.assert_close(attnx.attention(q, k, v, scale=value, softcap=value, backend="naive"), want)
+
+
+@pytest.mark.parametrize("value", [True, torch.tensor(1.0), "1", 1j, np.bool_(True)])
+def test_scale_not_a_number_is_still_a_type_error(value):
+    q = torch.randn(1, 1, 3, 4)
+    with pytest.raises(InvalidTypeError, match="`scale`"):
+        attnx.attention(q, q, q, scale=value)
