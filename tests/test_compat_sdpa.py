@@ -101,7 +101,8 @@ def test_the_signature_is_torchs():
         scaled_dot_product_attention(q, k, v, None, 0.0, False, 0.5)  # scale is keyword-only, as in torch
 
 
-@pytest.mark.parametrize("case", ["dropout", "causal-and-mask", "mask-dtype", "mask-1d", "gqa-heads", "heads"])
+@pytest.mark.parametrize("case", ["dropout", "causal-and-mask", "mask-dtype", "mask-extra-dims", "mask-shape",
+                                  "gqa-heads", "heads", "head-dims", "value-length"])
 def test_errors_are_runtime_errors_as_in_torch(case):
     q, k, v = _rand(2, 4, 5, 8), _rand(2, 2, 7, 8), _rand(2, 2, 7, 8)
     kwargs = {"enable_gqa": True}
@@ -111,10 +112,16 @@ def test_errors_are_runtime_errors_as_in_torch(case):
         kwargs.update(is_causal=True, attn_mask=torch.ones(5, 7, dtype=torch.bool))
     elif case == "mask-dtype":
         kwargs["attn_mask"] = torch.zeros(5, 7, dtype=torch.float16)
-    elif case == "mask-1d":
-        kwargs["attn_mask"] = torch.zeros(7, dtype=torch.float64)
+    elif case == "mask-extra-dims":  # a mask may not add dims to the scores (torch: RuntimeError)
+        kwargs["attn_mask"] = torch.zeros(1, 1, 1, 5, 7, dtype=torch.float64)
+    elif case == "mask-shape":  # raised by attnx.attention, turned into the compat error
+        kwargs["attn_mask"] = torch.zeros(5, 6, dtype=torch.float64)
     elif case == "gqa-heads":
         k, v = _rand(2, 3, 7, 8), _rand(2, 3, 7, 8)
+    elif case == "head-dims":
+        k = _rand(2, 2, 7, 9)
+    elif case == "value-length":
+        v = _rand(2, 2, 6, 8)
     else:
         kwargs = {}  # 4 query heads, 2 kv heads and no enable_gqa
     with pytest.raises(CompatArgumentError) as info:

@@ -2,7 +2,7 @@
 
 * ``window_size=(left, right)``: a negative side is unbounded (flash-attn's ``-1``);
 * ``softcap=0.0`` (or below) means no softcap;
-* ``softmax_scale=None`` is ``1 / sqrt(headdim)``;
+* ``softmax_scale=None`` is ``1 / sqrt(headdim)``; float arguments take NumPy numbers too, as flash-attn;
 * ``causal`` and windows are aligned bottom-right, attnx's default (``offset=None``);
 * ``alibi_slopes``: ``(nheads,)`` or ``(batch, nheads)`` float32, as attnx takes them.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import operator
 
 from ..errors import InvalidTypeError
-from .common import check_no_dropout
+from .common import as_float, check_no_dropout, real_as_float
 
 
 def window(window_size) -> tuple:
@@ -28,11 +28,10 @@ def window(window_size) -> tuple:
     return tuple(sides)
 
 
-def softcap(value):
-    """None for flash-attn's ``softcap <= 0`` (deactivated), else the cap."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidTypeError(f"`softcap` must be a float, got {value!r}")
-    return None if value <= 0 else float(value)
+def softcap(value, api: str):
+    """None for flash-attn's ``softcap <= 0`` (deactivated), else the cap (any real number, as flash-attn takes)."""
+    value = as_float(value, "softcap", api)
+    return None if value <= 0 else value
 
 
 def options(api: str, *, dropout_p, softmax_scale, causal, window_size, softcap_value, alibi_slopes) -> dict:
@@ -42,4 +41,5 @@ def options(api: str, *, dropout_p, softmax_scale, causal, window_size, softcap_
         raise InvalidTypeError(f"{api}: `causal` must be a bool, got {causal!r}")
     left, right = window(window_size)
     return dict(causal=causal, window=None if (left, right) == (None, None) else (left, right),
-                scale=softmax_scale, softcap=softcap(softcap_value), alibi_slopes=alibi_slopes)
+                scale=None if softmax_scale is None else real_as_float(softmax_scale),
+                softcap=softcap(softcap_value, api), alibi_slopes=alibi_slopes)

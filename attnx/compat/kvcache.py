@@ -9,6 +9,7 @@ import torch
 from ..api import attention
 from ..errors import InvalidArgumentError, InvalidTypeError
 from ..index_checks import check_append, check_pages
+from ..problem import make_problem
 from .errors import CompatArgumentError
 from .flash_attn_args import options
 
@@ -36,24 +37,26 @@ def _slots(lengths: torch.Tensor, new: int, capacity: int) -> torch.Tensor:
     return lengths.long()[:, None] + torch.arange(new, device=lengths.device)
 
 
-def _check_inputs(q, k_cache, k, v, cache_batch_idx) -> None:
+def _check_inputs(q, k_cache, v_cache, k, v, cache_batch_idx) -> None:
     """`q`, new `k`/`v` and `cache_batch_idx` checked before anything reads or writes them."""
     if not isinstance(q, torch.Tensor):
         raise InvalidTypeError(f"flash_attn_with_kvcache: `q` must be a torch.Tensor, got {type(q).__name__}")
     if q.dim() != 4:
         raise InvalidArgumentError(f"flash_attn_with_kvcache: `q` must be (batch, seqlen_q, nheads, d), got "
                                    f"shape {tuple(q.shape)}")
-    if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
-        return  # attention names `k` (the cache) with its own checks
-    for name, t in (("k", k), ("v", v)):
+    if not all(isinstance(c, torch.Tensor) and c.dim() == 4 for c in (k_cache, v_cache)):
+        return  # attention names `k`/`v` (the caches) with its own checks, before any write
+    for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
         if t is None:
             continue
         if not isinstance(t, torch.Tensor):
             raise InvalidTypeError(f"flash_attn_with_kvcache: `{name}` must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4 or t.shape[0] != q.shape[0] or t.shape[2] != k_cache.shape[2] or t.shape[1] != k.shape[1]:
+        if (t.dim() != 4 or t.shape[0] != q.shape[0] or t.shape[2] != cache.shape[2] or t.shape[1] != k.shape[1]
+                or t.shape[3] != cache.shape[3]):
             raise InvalidArgumentError(
                 f"flash_attn_with_kvcache: `{name}` must be (batch, seqlen_new, nheads_k, d) with q's batch "
-                f"{q.shape[0]} and the cache's {k_cache.shape[2]} heads, got {tuple(t.shape)}")
+                f"{q.shape[0]}, the new keys' length and the cache's {cache.shape[2]} heads of dim {cache.shape[3]}, "
+                f"got {tuple(t.shape)}")
     if cache_batch_idx is not None:
         if not isinstance(cache_batch_idx, torch.Tensor) or cache_batch_idx.dtype not in (torch.int32, torch.int64):
             raise InvalidTypeError("flash_attn_with_kvcache: `cache_batch_idx` must be an int32 tensor, got "
@@ -67,28 +70,58 @@ def _check_inputs(q, k_cache, k, v, cache_batch_idx) -> None:
                                        f"[0, {k_cache.shape[0]}), got {rows}")
 
 
-def _append(k_cache, v_cache, k, v, lengths, block_table, cache_batch_idx) -> None:
-    """Write ``k``/``v`` ``(batch, new, Hkv, d)`` into the caches at ``lengths[b] + i``, in place."""
+def _rows_view(cache: torch.Tensor, batch: int) -> torch.Tensor:
+    """A view shaped like ``cache[cache_batch_idx]`` (``batch`` rows), for validating without copying."""
+    return cache[:1].expand(batch, *cache.shape[1:])
+
+
+def _check_num_splits(num_splits) -> None:
+    """``num_splits``: an int >= 0 (NumPy ints too), accepted and ignored."""
+    try:
+        valid = not isinstance(num_splits, bool) and operator.index(num_splits) >= 0
+    except TypeError:
+        valid = False
+    if not valid:
+        raise InvalidTypeError(f"flash_attn_with_kvcache: `num_splits` must be an int >= 0, got {num_splits!r}")
+
+
+def _check_block_table(block_table, batch: int) -> None:
+    """A paged cache's ``block_table``: int32 ``(batch, max_blocks)`` (checked before anything is written)."""
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
+        raise InvalidTypeError(f"flash_attn_with_kvcache: `block_table` (attnx's `page_table`) must be an int32 "
+                               f"tensor, got {getattr(block_table, 'dtype', type(block_table).__name__)}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise InvalidArgumentError(f"flash_attn_with_kvcache: `block_table` must be (batch, max_blocks) with "
+                                   f"batch {batch}, got {tuple(block_table.shape)}")
+
+
+def _write_index(k_cache, k, lengths, block_table, cache_batch_idx) -> tuple:
+    """The cache index ``(batch, new)`` the new keys go to, ``lengths[b] + i``; every slot checked inside the cache."""
     batch, new = k.shape[:2]
     if block_table is None:
         rows = (torch.arange(batch, device=k.device) if cache_batch_idx is None else cache_batch_idx.long())
         slots = _slots(lengths, new, k_cache.shape[1])
-        index = (rows[:, None].expand(batch, new), slots)
-    else:
-        page_size = k_cache.shape[1]
-        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
-            raise InvalidTypeError(f"flash_attn_with_kvcache: `block_table` must be an int32 tensor, got "
-                                   f"{getattr(block_table, 'dtype', type(block_table).__name__)}")
-        if block_table.dim() != 2 or block_table.shape[0] != batch:
-            raise InvalidArgumentError(f"flash_attn_with_kvcache: `block_table` must be (batch, max_blocks) with "
-                                       f"batch {batch}, got {tuple(block_table.shape)}")
-        slots = _slots(lengths, new, block_table.shape[1] * page_size)
-        # the pages each sequence will read, new ones included, inside the pool (a -1 would write elsewhere)
-        check_pages("block_table", block_table, (lengths.long() + new + page_size - 1) // page_size, k_cache.shape[0])
-        pages = torch.gather(block_table.long(), 1, slots // page_size)
-        index = (pages, slots % page_size)
-    k_cache[index] = k.to(k_cache.dtype)
-    v_cache[index] = v.to(v_cache.dtype)
+        return rows[:, None].expand(batch, new), slots
+    page_size = k_cache.shape[1]
+    slots = _slots(lengths, new, block_table.shape[1] * page_size)
+    # the pages each sequence will read, new ones included, inside the pool (a -1 would write elsewhere)
+    check_pages("block_table", block_table, (lengths.long() + new + page_size - 1) // page_size, k_cache.shape[0])
+    pages = torch.gather(block_table.long(), 1, slots // page_size)
+    return pages, slots % page_size
+
+
+def _append(k_cache, v_cache, k, v, index: tuple) -> None:
+    """Write ``k``/``v`` ``(batch, new, Hkv, d)`` into the caches at ``index`` (`_write_index`), in place."""
+    with torch.no_grad():
+        k_cache[index] = k.to(k_cache.dtype)
+        v_cache[index] = v.to(v_cache.dtype)
+
+
+def _whole_pages(block_table: torch.Tensor, k_cache, batch: int, device) -> Optional[torch.Tensor]:
+    """Lengths for a paged cache given no ``cache_seqlens``: every page of the table (None if ``k_cache`` is bad)."""
+    if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
+        return None  # attention names the bad cache
+    return torch.full((batch,), block_table.shape[1] * k_cache.shape[1], dtype=torch.int32, device=device)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -129,30 +162,33 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise CompatArgumentError("flash_attn_with_kvcache: cache_leftpad is not supported by attnx")
     if (k is None) != (v is None):
         raise InvalidArgumentError("flash_attn_with_kvcache: give both `k` and `v`, or neither")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise InvalidTypeError(f"flash_attn_with_kvcache: `num_splits` must be an int >= 0, got {num_splits!r}")
+    _check_num_splits(num_splits)
     if block_table is not None and cache_batch_idx is not None:
         raise CompatArgumentError("flash_attn_with_kvcache: cache_batch_idx is not supported with a paged cache")
     opts = options("flash_attn_with_kvcache", dropout_p=0.0, softmax_scale=softmax_scale, causal=causal,
                    window_size=window_size, softcap_value=softcap, alibi_slopes=alibi_slopes)
     opts["layout"] = "bshd"
-    _check_inputs(q, k_cache, k, v, cache_batch_idx)
+    _check_inputs(q, k_cache, v_cache, k, v, cache_batch_idx)
     batch = q.shape[0]
-    lengths = _cache_lengths(cache_seqlens, batch, q.device)
-    if k is not None:
-        if lengths is None:
-            raise InvalidArgumentError("flash_attn_with_kvcache: `cache_seqlens` says where the new `k`/`v` go")
-        with torch.no_grad():
-            _append(k_cache, v_cache, k, v, lengths, block_table, cache_batch_idx)
-        lengths = lengths + k.shape[1]
     if block_table is not None:
-        if lengths is None:
-            lengths = torch.full((batch,), block_table.shape[1] * k_cache.shape[1], dtype=torch.int32, device=q.device)
-        opts.update(seqlens_k=lengths, page_table=block_table)
-    else:
-        if cache_batch_idx is not None:
-            k_cache, v_cache = k_cache[cache_batch_idx.long()], v_cache[cache_batch_idx.long()]
-        if lengths is not None:
-            opts["seqlens_k"] = lengths
+        _check_block_table(block_table, batch)
+    lengths = _cache_lengths(cache_seqlens, batch, q.device)
+    if k is not None and lengths is None:
+        raise InvalidArgumentError("flash_attn_with_kvcache: `cache_seqlens` says where the new `k`/`v` go")
+    seen = lengths if k is None else lengths + k.shape[1]  # the keys each sequence attends to
+    if block_table is not None:
+        opts.update(seqlens_k=_whole_pages(block_table, k_cache, batch, q.device) if seen is None else seen,
+                    page_table=block_table)
+    elif seen is not None:
+        opts["seqlens_k"] = seen
+    if k is not None:
+        index = _write_index(k_cache, k, lengths, block_table, cache_batch_idx)
+        # every check attention makes, before the caches are written: a call that raises leaves them as they were
+        by_rows = cache_batch_idx is not None and block_table is None
+        make_problem(q, *((_rows_view(k_cache, batch), _rows_view(v_cache, batch)) if by_rows
+                          else (k_cache, v_cache)), **opts)
+        _append(k_cache, v_cache, k, v, index)
+    if cache_batch_idx is not None and block_table is None:
+        k_cache, v_cache = k_cache[cache_batch_idx.long()], v_cache[cache_batch_idx.long()]
     out, lse = attention(q, k_cache, v_cache, **opts, return_lse=True)
     return (out, lse) if return_softmax_lse else out

@@ -24,9 +24,11 @@ from .sdpa import sdpa_call
 # the options of the innermost open block in this context, or None (torch's function runs)
 _route: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("attnx_sdpa_route", default=None)
 _lock = threading.Lock()
-_open_blocks = 0
+# the options of every open block in the process (all threads), in the order they were opened
+_open_routes: list[dict] = []
 _torch_sdpa = F.scaled_dot_product_attention
-# what torch.compile sees while it traces inside a block: it cannot read the ContextVar
+# what torch.compile sees while it traces inside a block (it cannot read the ContextVar): the
+# options of the most recently opened block still open, or None
 _traced_route: Optional[dict] = None
 
 
@@ -38,19 +40,24 @@ def _router(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *
     return sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend=route["backend"])
 
 
-def _install() -> None:
-    global _open_blocks
+def _install(options: dict) -> None:
+    """Open a block: the router is in place while any block is open."""
+    global _traced_route
     with _lock:
-        if _open_blocks == 0:
+        if not _open_routes:
             F.scaled_dot_product_attention = _router
-        _open_blocks += 1
+        _open_routes.append(options)
+        _traced_route = options
 
 
-def _uninstall() -> None:
-    global _open_blocks
+def _uninstall(options: dict) -> None:
+    """Close the block of ``options`` (blocks of several threads may close in any order)."""
+    global _traced_route
     with _lock:
-        _open_blocks -= 1
-        if _open_blocks == 0 and F.scaled_dot_product_attention is _router:
+        index = next(i for i, route in enumerate(_open_routes) if route is options)
+        del _open_routes[index]
+        _traced_route = _open_routes[-1] if _open_routes else None
+        if not _open_routes and F.scaled_dot_product_attention is _router:
             F.scaled_dot_product_attention = _torch_sdpa
 
 
@@ -83,19 +90,15 @@ def use_attnx_for_sdpa(backend: Optional[str] = None):
 
         logits = model(input_ids)           # F.scaled_dot_product_attention runs torch's kernels
     """
-    global _traced_route
     if backend is not None:
         if not isinstance(backend, str):
             raise InvalidTypeError(f"`backend` must be a backend name or None, got {backend!r}")
         get_backend(backend)
     options = {"backend": backend}
     token = _route.set(options)
-    previous_traced = _traced_route
-    _traced_route = options
-    _install()
+    _install(options)
     try:
         yield
     finally:
-        _uninstall()
-        _traced_route = previous_traced
+        _uninstall(options)
         _route.reset(token)
