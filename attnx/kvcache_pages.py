@@ -21,9 +21,18 @@ class PageAllocator:
         self.owned: list[list[int]] = [[] for _ in range(batch)]
 
     def shortfall(self, lengths: list[int]) -> int:
-        """Pages missing for every sequence to hold ``lengths`` tokens, beyond the free ones (0: they fit)."""
-        need = sum(max(0, pages_for(n, self.page_size) - len(own)) for n, own in zip(lengths, self.owned))
-        return max(0, need - len(self.free))
+        """Pages missing for every sequence to hold ``lengths`` tokens, beyond the free ones (0: they fit).
+
+        Pages that sequences shrinking to ``lengths`` give back count as free (`set_lengths` shrinks
+        before it grows)."""
+        need = released = 0
+        for n, own in zip(lengths, self.owned):
+            change = pages_for(n, self.page_size) - len(own)
+            if change > 0:
+                need += change
+            else:
+                released -= change
+        return max(0, need - len(self.free) - released)
 
     def grow(self, table: torch.Tensor, lengths: list[int]) -> None:
         """Give each sequence the pages ``lengths`` needs and write them into ``table`` (check `shortfall` first)."""

@@ -197,3 +197,18 @@ def test_scale_not_a_number_is_still_a_type_error(value):
     q = torch.randn(1, 1, 3, 4)
     with pytest.raises(InvalidTypeError, match="`scale`"):
         attnx.attention(q, q, q, scale=value)
+
+
+def test_set_lengths_counts_pages_a_shrinking_sequence_gives_back():
+    """Was CacheCapacityError: the shortfall ignored the pages another sequence frees in the same call."""
+    cache = KVCache.allocate(2, 8, 1, 2, page_size=2, num_pages=5)
+    cache.append(torch.randn(2, 1, 3, 2), torch.randn(2, 1, 3, 2))   # 2 pages each, 1 free
+    cache.set_lengths([3, 6])                                         # sequence 1: 3 pages, none free
+    assert cache.free_pages == 0
+    cache.set_lengths([8, 0])                                         # 0 gains 2 pages, 1 gives back 3
+    assert cache.seqlens == [8, 0] and cache.free_pages == 1
+    pages = cache.page_table[0].tolist()
+    assert len(set(pages)) == 4 and all(0 <= p < 5 for p in pages)
+    with pytest.raises(CacheCapacityError):                           # 0 needs nothing, 1 needs 3: 1 free
+        cache.set_lengths([8, 6])
+    assert cache.seqlens == [8, 0] and cache.free_pages == 1
