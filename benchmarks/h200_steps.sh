@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-sweep decode-splits varlen-cuda reliability
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-sweep decode-splits varlen-cuda reliability splitwait
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -64,6 +64,10 @@ for step in "$@"; do
     dqbulk) run_step dqbulk-check 120 python3 -m benchmarks.hopper_backward check --configs dqbulk
             [ -n "${passed[dqbulk-check]:-}" ] && run_step dqbulk-time 150 python3 -m benchmarks.hopper_backward time \
                 --configs table,dqbulk --seqlens 4096,16384 ;;
+    # the Hopper backward's opt-in SPLIT_WAIT (P^T while dP^T's GEMM runs): 148 cases, then beside the table
+    splitwait) run_step splitwait-check 200 python3 -m benchmarks.hopper_backward check --configs splitwait
+            [ -n "${passed[splitwait-check]:-}" ] && run_step splitwait-time 150 python3 -m benchmarks.hopper_backward \
+                time --configs table,splitwait --seqlens 4096,16384 ;;
     # the Hopper backward's opt-in ordered dQ (deterministic): 148 cases x 3 runs, same bits; then its cost
     ordered) run_step ordered-check 200 python3 -m benchmarks.hopper_backward check --configs ordered
             [ -n "${passed[ordered-check]:-}" ] && run_step ordered-time 150 python3 -m benchmarks.hopper_backward time \

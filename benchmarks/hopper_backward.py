@@ -8,7 +8,9 @@ One device call runs both: ``check && time``; ``--configs table,dqbulk`` adds th
 goes through shared memory and a writer warp's bulk reductions (check it before timing it);
 ``--configs ordered`` the variant whose dQ additions into each query block follow a fixed order of key
 blocks (`dq_ordered`, turn counters: bitwise-deterministic dq): its `check` also runs every case
-`RERUNS` more times on the same inputs and asserts the same bits of dq, dk, dv (and dsinks) each time.
+`RERUNS` more times on the same inputs and asserts the same bits of dq, dk, dv (and dsinks) each time;
+``--configs splitwait`` the variant that waits for S^T and dP^T one at a time (`split_wait`, P^T computed
+while dP^T's GEMM runs; written offline 2026-12-02, not yet run on a GPU: check it, then time it).
 `check` prints one numbered line per case (the worst error of each gradient beside its bound),
 continues past failures, stops only when the CUDA context is lost, ends with a summary of the
 failures and exits 1 on any. The bound is the one of tests/test_cuda_gpu.py: twice the error
@@ -66,8 +68,10 @@ def cases(head_dims=(128, 64)):
 
 
 # configurations: the shipped tile table, or it with dQ added by the writer warp's bulk reductions, or
-# with dQ added in a fixed order of key blocks (bitwise-deterministic)
-CONFIGS = ("table", "dqbulk", "ordered")
+# with dQ added in a fixed order of key blocks (bitwise-deterministic), or with S^T and dP^T waited for one
+# at a time (P^T computed while dP^T's GEMM runs)
+CONFIGS = ("table", "dqbulk", "ordered", "splitwait")
+KNOBS = {"dqbulk": "dq_bulk", "ordered": "dq_ordered", "splitwait": "split_wait"}
 RERUNS = 2  # ordered: runs after the first, each compared bit for bit with it
 
 
@@ -77,7 +81,7 @@ def _variant(p, config):
     v = backward_variant_for(p)
     if v is None or config == "table":
         return v
-    return v._replace(dq_bulk=True) if config == "dqbulk" else v._replace(dq_ordered=True)
+    return v._replace(**{KNOBS[config]: True})
 
 
 def _same_bits_over_reruns(grads_of, reruns=RERUNS):

@@ -152,6 +152,27 @@ def test_hopper_backward_dq_bulk_knob_compiles():
         assert ok and size > 0, log[:2000]
 
 
+def test_hopper_backward_split_wait_knob_compiles_without_spills():
+    """SPLIT_WAIT (S^T and dP^T committed as two groups, P^T computed while dP^T's GEMM runs), the opt-in
+    that benchmarks/hopper_backward.py checks and times beside the table: every table tile, with and
+    without score mod, builds for sm_90a with no local memory and no wgmma serialisation; the table's
+    own builds say SPLIT_WAIT=0."""
+    reason = _nvrtc_available()
+    if reason:
+        pytest.skip(reason)
+    table = [v for v in variants.requestable(families.HOPPER, (9, 0))
+             if v.hopper_backward and v.bf16 and not v.dq_ordered]
+    assert table and all("-DSPLIT_WAIT=0" in v.defines() for v in table)
+    from attnx.backends.cuda.compile import kernel_source
+
+    for v in (t._replace(split_wait=True) for t in table):
+        assert "-DSPLIT_WAIT=1" in v.defines() and "+splitwait" in v.label()
+        ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
+                                                   (*cuda_compile.nvrtc_options(v, "sm_90a"), "-Xptxas=-v"))
+        assert ok and size > 0, log[:2000]
+        assert " 0 bytes spill stores" in log and "C7510" not in log and "C7519" not in log and "C7520" not in log, log
+
+
 def test_hopper_backward_dq_ordered_variants_compile():
     """The ordered dQ (turn counters per query block: bitwise-deterministic dq) that deterministic problems
     run: every table tile has its ordered twin among the requestable variants (so CI builds both), it builds

@@ -49,6 +49,8 @@ class Variant(NamedTuple):
     dq_bulk: bool = False   # Hopper bwd: dQ parts added by a writer warp's bulk reductions, not red.global
     dq_ordered: bool = False  # Hopper bwd: dQ added per query block in a fixed order of key blocks (turn
                               # counters): bitwise-deterministic dq (opt-in, not dispatched)
+    split_wait: bool = False  # Hopper bwd, no score mod: S^T and dP^T waited for one at a time, P^T computed
+                              # while dP^T's GEMM runs (opt-in, not dispatched: not yet run on a GPU)
     atomic_dq: bool = True  # bwd: the dK pass adds dQ with fp32 atomics (False: the deterministic backward's
                             # dK/dV kernel, whose dQ is the bwd_dq pass)
     exact_alpha: bool = False  # fwd (both families) and decode: the online softmax's rescale factor from the rounded
@@ -87,6 +89,7 @@ class Variant(NamedTuple):
             del d["NUM_WARPS"]  # fixed by the kernel's warpgroup roles
             d["DQ_BULK"] = int(self.dq_bulk)
             d["DQ_ORDERED"] = int(self.dq_ordered)
+            d["SPLIT_WAIT"] = int(self.split_wait)
             d["SHARED_BYTES"] = self.shared_bytes()  # the kernel asserts its layout needs exactly this
         elif self.kernel == "bwd":
             d.update(DO_DV=int(self.do_dv), DO_DK=int(self.do_dk), DQ_ATOMIC=int(self.atomic_dq))
@@ -141,7 +144,7 @@ class Variant(NamedTuple):
             flags += "+dv" if self.do_dv else "+dk"
         flags += "" if self.atomic_dq else " no-dq"
         flags += (" wgmma" + ("+dqbulk" if self.dq_bulk else "") + ("+ordered" if self.dq_ordered else "")
-                  if self.hopper_backward else "")
+                  + ("+splitwait" if self.split_wait else "") if self.hopper_backward else "")
         stages = f" s{self.stages}" if self.kernel in ("fwd", "bwd_dq", "decode") else ""
         stages += ("+overlap" if self.overlap else "") + ("+pingpong" if self.pingpong else "")
         stages += "+exactalpha" if self.exact_alpha else ""

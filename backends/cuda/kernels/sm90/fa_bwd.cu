@@ -41,6 +41,11 @@
 #ifndef DQ_ORDERED
 #define DQ_ORDERED 0
 #endif
+// SPLIT_WAIT (opt-in, not dispatched): S^T and dP^T committed as two wgmma groups; P^T is computed
+// once S^T lands, while dP^T's GEMM still runs (the exponentials leave the critical path).
+#ifndef SPLIT_WAIT
+#define SPLIT_WAIT 0
+#endif
 
 namespace sm90_bwd {
 
@@ -313,6 +318,36 @@ DEVI void probs_modded(float (&st)[BM / 2], u32 (&dcap)[BM / 4], const float* ls
   }
 }
 
+// SPLIT_WAIT's first half of the fast path: S^T -> P^T in place (fp32), the scale folded into exp2's
+// argument, while dP^T's GEMM is still in flight (same element order as `probs_modded`).
+template <bool MASK, int BM>
+DEVI void probs_block(float (&st)[BM / 2], const float* lse, const Visibility& vis, float unit, int key0, int m0,
+                      int t4) {
+#pragma unroll
+  for (int i = 0; i < BM / 2; i += 2) {
+    const int key = key0 + 8 * ((i >> 1) & 1);
+    const int col = 8 * (i >> 2) + 2 * t4;
+    const float2 l = *reinterpret_cast<const float2*>(lse + col);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int query = m0 + col + e;
+      float pe = exp2_approx(fmaf(st[i + e], unit, -(e ? l.y : l.x)));
+      if constexpr (MASK)
+        if (query >= vis.seqlen_q || !key_visible(vis, query, key)) pe = 0.f;
+      st[i + e] = pe;
+    }
+  }
+}
+
+template <int BM>
+DEVI void probs_any(bool masked, float (&st)[BM / 2], const float* lse, const Visibility& vis, float unit, int key0,
+                    int m0, int t4) {
+  if (masked)
+    probs_block<true, BM>(st, lse, vis, unit, key0, m0, t4);
+  else
+    probs_block<false, BM>(st, lse, vis, unit, key0, m0, t4);
+}
+
 template <int BM>
 DEVI void probs_modded_any(bool masked, float (&st)[BM / 2], u32 (&dcap)[BM / 4], const float* lse,
                            const Visibility& vis, const ScoreMod& mod, int key0, int m0, int t4) {
@@ -330,8 +365,9 @@ DEVI float2 unpack_f16x2(u32 v) {
   return r;
 }
 
-// ... then, with dP^T, the packed operands: P^T and dS^T = P^T (dP^T - delta) softcap'.
-template <bool BF16, int BM>
+// ... then, with dP^T, the packed operands: P^T and dS^T = P^T (dP^T - delta) softcap' (CAP: the
+// softcap derivative from `dcap`; without it, SPLIT_WAIT's second half, `dcap` is not read).
+template <bool BF16, int BM, bool CAP = true>
 DEVI void grads_from_probs(const float (&pt)[BM / 2], const float (&dpt)[BM / 2], const u32 (&dcap)[BM / 4],
                            u32 (&pa)[BM / 16][4], u32 (&da)[BM / 16][4], const float* delta, int t4) {
 #pragma unroll
@@ -341,7 +377,7 @@ DEVI void grads_from_probs(const float (&pt)[BM / 2], const float (&dpt)[BM / 2]
       const int i = 8 * kk + 4 * (j >> 1) + 2 * (j & 1);
       const int col = 16 * kk + 8 * (j >> 1) + 2 * t4;
       const float2 d = *reinterpret_cast<const float2*>(delta + col);
-      const float2 c = unpack_f16x2(dcap[i / 2]);
+      const float2 c = CAP ? unpack_f16x2(dcap[i / 2]) : make_float2(1.f, 1.f);
       pa[kk][j] = pack2<BF16>(pt[i], pt[i + 1]);
       da[kk][j] = pack2<BF16>(pt[i] * (dpt[i] - d.x) * c.x, pt[i + 1] * (dpt[i + 1] - d.y) * c.y);
     }
@@ -430,7 +466,20 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
     const float* lse = lse_s + s * BM;
     const float* delta = delta_s + s * BM;
     mbar_wait(L::full(base, s), (i >> 1) & 1);
-    if constexpr (!MOD) {
+    if constexpr (!MOD && SPLIT_WAIT) {
+      wgmma_fence();
+      issue_rows_by_queries<BF16, HD, BM>(st, k_rows, q_tile);
+      wgmma_commit();
+      issue_rows_by_queries<BF16, HD, BM>(dpt, v_rows, do_tile);
+      wgmma_commit();
+      wgmma_wait<1>();  // S^T has landed; dP^T may still be running
+      fence_regs(st);
+      probs_any<BM>(masked, st, lse, vis, p.scale_log2, w.n0 + key_row, m0, t4);
+      wgmma_wait<0>();
+      fence_regs(dpt);
+      u32 no_cap[BM / 4];  // not read (CAP = false)
+      grads_from_probs<BF16, BM, false>(st, dpt, no_cap, pa, da, delta, t4);
+    } else if constexpr (!MOD) {
       wgmma_fence();
       issue_rows_by_queries<BF16, HD, BM>(st, k_rows, q_tile);
       issue_rows_by_queries<BF16, HD, BM>(dpt, v_rows, do_tile);
@@ -439,6 +488,19 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
       fence_regs(st);
       fence_regs(dpt);
       grads_any<BF16, BM>(masked, st, dpt, pa, da, lse, delta, vis, p.scale_log2, w.n0 + key_row, m0, t4);
+    } else if constexpr (SPLIT_WAIT) {  // as above, tanh's temporaries beside dP^T's in-flight accumulators
+      wgmma_fence();
+      issue_rows_by_queries<BF16, HD, BM>(st, k_rows, q_tile);
+      wgmma_commit();
+      issue_rows_by_queries<BF16, HD, BM>(dpt, v_rows, do_tile);
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_regs(st);
+      u32 dcap[BM / 4];
+      probs_modded_any<BM>(masked, st, dcap, lse, vis, mod, w.n0 + key_row, m0, t4);
+      wgmma_wait<0>();
+      fence_regs(dpt);
+      grads_from_probs<BF16, BM>(st, dpt, dcap, pa, da, delta, t4);
     } else {
       wgmma_fence();
       issue_rows_by_queries<BF16, HD, BM>(st, k_rows, q_tile);
