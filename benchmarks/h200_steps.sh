@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-sweep decode-splits varlen-cuda reliability splitwait
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-sweep decode-splits varlen-cuda reliability splitwait replay
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -32,6 +32,10 @@ for step in "$@"; do
                tests/test_index_bounds.py tests/test_index_validation.py tests/test_kvcache_object.py \
                tests/test_cuda_gpu.py tests/test_compat_torch_backend.py tests/test_call_memo.py \
                tests/test_gpu_integration.py tests/test_torch_declarations.py tests/test_compat_transformers.py ;;
+    # the fuzz regression records on the GPU backends (CI replays naive, blocked and the triton interpreter):
+    # "fixed" records must pass, "known"/"open" ones fail as recorded (`tests/test_fuzz.py` `_expect`)
+    replay) run_step replay 150 bash -c 'for b in cuda triton; do
+            python3 -m attnx.conformance.fuzz --backend $b --device cuda --replay tests/fuzz_regressions.json; done' ;;
     # issue 13 items 3-4 and issue 12's entry points where they have GPU parts: caches (8 processes, damaged
     # and read-only caches, cuda end to end), threads and streams, the SDPA / flash-attn modules, compile
     reliability) run_step reliability 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_reliability_cache.py \
