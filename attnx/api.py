@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from . import call_memo
+from . import call_memo, index_checks
 from .autograd import run
 from .dispatch import Decision, choose, decide
 from .empty import empty_attention
@@ -29,12 +29,25 @@ def _check_backend(backend) -> None:
         raise InvalidTypeError(f"`backend` must be a backend name (a str) or None, got {type(backend).__name__}")
 
 
+def empty_result(p: Problem, x):
+    """`empty_attention`, after the checks of the index values a CPU call always gets.
+
+    An empty problem asks no backend, so `naive`/`blocked` do not read its index tensors; on a CPU
+    reading them costs nothing, and docs/errors.md promises every CPU call that check (a batch of
+    0 sequences whose `cu_seqlens_q` does not end at q's rows, a bad cache length with 0 heads).
+    """
+    if not p.is_dense and not index_checks.validating() and all(
+            t is None or t.device.type == "cpu" for t in (x.cu_seqlens_q, x.cu_seqlens_k, x.seqlens_k, x.page_table)):
+        index_checks.read_indices(p, x)
+    return empty_attention(p, x)
+
+
 def _execute(p: Problem, x, backend: Optional[str], memo_key: Optional[tuple] = None):
     """Run `p`; a plain call's `memo_key` remembers which backend ran it (see `call_memo.Run`)."""
     if p.is_empty:
         if backend is not None:
             get_backend(backend)  # an unknown name is still an error
-        return empty_attention(p, x)
+        return empty_result(p, x)
     allowed, stamp = allowed_backends(), generation()  # read before choosing: a later change misses
     chosen = choose(p, backend)
     if memo_key is not None:
@@ -182,7 +195,7 @@ class Plan:
         return p, x
 
     def _execute(self, p: Problem, x: Inputs):
-        out, lse = empty_attention(p, x) if p.is_empty else run(p, self.backend, x)
+        out, lse = empty_result(p, x) if p.is_empty else run(p, self.backend, x)
         return (out, lse) if self._return_lse else out
 
     __call__ = run

@@ -14,6 +14,7 @@ import torch
 
 from . import registry
 from .autograd import lse_shape, run_backward
+from .api import empty_result
 from .dispatch import no_backend, priority
 from .errors import InvalidArgumentError, InvalidTypeError
 from .problem import Problem, make_call
@@ -134,6 +135,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal=False, window=None, of
     if p.is_empty:
         if backend is not None:
             registry.get_backend(backend)  # an unknown name is still an error
+        empty_result(p, x)  # the index values a CPU call always has checked
         grads = [torch.zeros_like(t) for t in (q, k, v)]
         return tuple(grads) + ((torch.zeros_like(sinks, dtype=torch.float32),) if sinks is not None else ())
     chosen = choose_backward(p, backend)

@@ -212,3 +212,43 @@ def test_set_lengths_counts_pages_a_shrinking_sequence_gives_back():
     with pytest.raises(CacheCapacityError):                           # 0 needs nothing, 1 needs 3: 1 free
         cache.set_lengths([8, 6])
     assert cache.seqlens == [8, 0] and cache.free_pages == 1
+
+
+# -- empty problems with index tensors: their values are still checked on a CPU ------------------
+_EMPTY_BAD_INDICES = {
+    "no sequences, q has rows": (lambda: ((torch.randn(5, 2, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8)),
+                                          dict(cu_seqlens_q=_i32(0), cu_seqlens_k=_i32(0))), "`cu_seqlens_q`"),
+    "no heads, offsets past q": (lambda: ((torch.randn(5, 0, 8), torch.randn(3, 0, 8), torch.randn(3, 0, 8)),
+                                          dict(cu_seqlens_q=_i32(0, 7), cu_seqlens_k=_i32(0, 3))), "`cu_seqlens_q`"),
+    "no heads, cache length past capacity": (
+        lambda: ((torch.randn(1, 0, 1, 8), torch.randn(1, 0, 4, 8), torch.randn(1, 0, 4, 8)),
+                 dict(seqlens_k=_i32(9))), "`seqlens_k`"),
+    "no heads, page outside the pool": (
+        lambda: ((torch.randn(1, 0, 1, 8), torch.randn(2, 4, 0, 8), torch.randn(2, 4, 0, 8)),
+                 dict(seqlens_k=_i32(8), page_table=_i32(0, 5).reshape(1, 2))), "`page_table`"),
+}
+
+
+@pytest.mark.parametrize("case", list(_EMPTY_BAD_INDICES))
+def test_empty_problem_with_bad_index_values_raises_on_cpu(case):
+    """Was: accepted (an empty problem asks no backend, so nothing read the index values); docs/errors.md:
+    on a CPU every call has them checked."""
+    make, name = _EMPTY_BAD_INDICES[case]
+    (q, k, v), index = make()
+    with pytest.raises(InvalidArgumentError, match=name):
+        attnx.attention(q, k, v, **index)
+    step = attnx.plan(q, k, v, **index, **({"max_seqlen_q": 0, "max_seqlen_k": 0} if "cu_seqlens_k" in index else {}))
+    with pytest.raises(InvalidArgumentError, match=name):
+        step.run(q, k, v, **index)
+
+
+def test_empty_problems_with_good_index_values_still_run():
+    out, lse = attnx.attention(torch.randn(0, 2, 8), torch.randn(0, 2, 8), torch.randn(0, 2, 8), cu_seqlens_q=_i32(0),
+                               cu_seqlens_k=_i32(0), return_lse=True)
+    assert out.shape == (0, 2, 8) and lse.shape == (2, 0)
+    out = attnx.attention(torch.randn(5, 0, 8), torch.randn(3, 0, 8), torch.randn(3, 0, 6), cu_seqlens_q=_i32(0, 5),
+                          cu_seqlens_k=_i32(0, 3))
+    assert out.shape == (5, 0, 6)
+    out = attnx.attention(torch.randn(0, 2, 1, 8), torch.randn(2, 4, 2, 8), torch.randn(2, 4, 2, 8), seqlens_k=_i32(),
+                          page_table=torch.zeros(0, 3, dtype=torch.int32))
+    assert out.shape == (0, 2, 1, 8)
