@@ -201,7 +201,8 @@ KVCACHE_ERRORS = {  # name: (keyword overrides, the typed error); every one is r
 def test_kvcache_error_leaves_the_caches_unchanged(name, by_rows):
     """New keys used to be written before attention checked the call: an error left them in the cache."""
     overrides, error = KVCACHE_ERRORS[name]
-    call = dict(q=_bshd(2, 1, 4), k_cache=torch.zeros(3, 6, 2, 8, dtype=F64), v_cache=torch.zeros(3, 6, 2, 8, dtype=F64),
+    call = dict(q=_bshd(2, 1, 4), k_cache=torch.zeros(3, 6, 2, 8, dtype=F64),
+                v_cache=torch.zeros(3, 6, 2, 8, dtype=F64),
                 k=_bshd(2, 1, 2), v=_bshd(2, 1, 2), cache_seqlens=2,
                 cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32) if by_rows else None)
     call.update(overrides)
@@ -227,3 +228,28 @@ def test_kvcache_block_table_not_a_tensor_is_a_typed_error():
     pool = torch.zeros(4, 2, 2, 8, dtype=F64)
     with pytest.raises(attnx.InvalidTypeError, match="block_table"):
         flash_attn.flash_attn_with_kvcache(_bshd(2, 1, 4), pool, pool, block_table=[[0, 1], [2, 3]])
+
+
+@pytest.mark.parametrize("layout", ["dense", "rows", "paged"])
+def test_kvcache_gradients_reach_the_new_keys(layout):
+    """New k/v are written in place under no_grad; their gradients used to be silently None."""
+    q = _bshd(2, 3, 4).requires_grad_()
+    old_k, old_v = _bshd(2, 10, 2), _bshd(2, 10, 2)
+    new_k, new_v = _bshd(2, 2, 2).requires_grad_(), _bshd(2, 2, 2).requires_grad_()
+    extra = {}
+    if layout == "paged":
+        k_cache, v_cache = old_k.reshape(10, 2, 2, 8).clone(), old_v.reshape(10, 2, 2, 8).clone()
+        extra["block_table"] = torch.arange(10, dtype=torch.int32).reshape(2, 5)
+    elif layout == "rows":  # sequence b lives in cache row 1 - b
+        k_cache, v_cache = old_k.flip(0).clone(), old_v.flip(0).clone()
+        extra["cache_batch_idx"] = torch.tensor([1, 0], dtype=torch.int32)
+    else:
+        k_cache, v_cache = old_k.clone(), old_v.clone()
+    got = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, new_k, new_v, cache_seqlens=5, causal=True, **extra)
+    want = flash_attn.flash_attn_func(q, torch.cat([old_k[:, :5], new_k], 1), torch.cat([old_v[:, :5], new_v], 1),
+                                      causal=True)
+    torch.testing.assert_close(got, want, **TOL)
+    dout = torch.randn_like(want)
+    leaves = (q, new_k, new_v)
+    for g, w in zip(torch.autograd.grad(got, leaves, dout), torch.autograd.grad(want, leaves, dout)):
+        torch.testing.assert_close(g, w, **TOL)

@@ -3,8 +3,9 @@
 The functions keep flash-attn's names, argument names and order, defaults and return
 values (see docs/integration.md for the few differences: no dropout, ``return_attn_probs``
 gives ``(out, softmax_lse, None)``, a row that sees no key has ``lse = -inf``, and any
-float dtype and device attnx supports is accepted). Gradients flow through every function
-but `flash_attn_with_kvcache` (as in flash-attn, which has no backward for it).
+float dtype and device attnx supports is accepted). Gradients flow through every function,
+`flash_attn_with_kvcache` included (flash-attn has no backward for it): to ``q``, the caches as
+read, and the new ``k``/``v`` as if they had been concatenated to the cache.
 """
 from __future__ import annotations
 

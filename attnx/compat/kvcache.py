@@ -117,6 +117,18 @@ def _append(k_cache, v_cache, k, v, index: tuple) -> None:
         v_cache[index] = v.to(v_cache.dtype)
 
 
+def _with_new_keys(k_cache, v_cache, k, v, index: tuple) -> tuple:
+    """The caches as attention reads them: after `_append`, and differentiable in the new ``k``/``v``.
+
+    The in-place write is not recorded by autograd; when the new keys need gradients, attention reads an
+    out-of-place copy holding the same values (``index_put``), so gradients reach ``k``/``v`` (a copy of the
+    cache per call, only then).
+    """
+    if not torch.is_grad_enabled() or not (k.requires_grad or v.requires_grad):
+        return k_cache, v_cache
+    return k_cache.index_put(index, k.to(k_cache.dtype)), v_cache.index_put(index, v.to(v_cache.dtype))
+
+
 def _whole_pages(block_table: torch.Tensor, k_cache, batch: int, device) -> Optional[torch.Tensor]:
     """Lengths for a paged cache given no ``cache_seqlens``: every page of the table (None if ``k_cache`` is bad)."""
     if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
@@ -146,6 +158,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             bottom-right per sequence.
         num_splits: accepted and ignored (attnx's dispatcher picks the kernel).
         return_softmax_lse: also return lse, float32 ``(batch, nheads, seqlen_q)``.
+
+    Gradients (flash-attn has no backward here) reach ``q``, the caches as read and the new ``k``/``v``,
+    as if ``k``/``v`` had been concatenated to the cache.
 
     Not supported (a clear error): rotary embedding (``rotary_cos``/``rotary_sin``: apply it to
     q and k first) and ``cache_leftpad``.
@@ -188,6 +203,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         make_problem(q, *((_rows_view(k_cache, batch), _rows_view(v_cache, batch)) if by_rows
                           else (k_cache, v_cache)), **opts)
         _append(k_cache, v_cache, k, v, index)
+        k_cache, v_cache = _with_new_keys(k_cache, v_cache, k, v, index)
     if cache_batch_idx is not None and block_table is None:
         k_cache, v_cache = k_cache[cache_batch_idx.long()], v_cache[cache_batch_idx.long()]
     out, lse = attention(q, k_cache, v_cache, **opts, return_lse=True)
