@@ -25,7 +25,12 @@ class NoBackendError(AttnxError, ValueError, RuntimeError):
 
     def __init__(self, message: str, reasons: dict[str, list[str]]):
         self.reasons = reasons
+        self.message = message
         lines = [message]
         for name, why in reasons.items():
             lines.append(f"  {name}: " + "; ".join(why))
         super().__init__("\n".join(lines))
+
+    def __reduce__(self):
+        # pickling (multiprocessing, a distributed worker's error) rebuilds it from both arguments
+        return type(self), (self.message, self.reasons)

@@ -252,3 +252,18 @@ def test_empty_problems_with_good_index_values_still_run():
     out = attnx.attention(torch.randn(0, 2, 1, 8), torch.randn(2, 4, 2, 8), torch.randn(2, 4, 2, 8), seqlens_k=_i32(),
                           page_table=torch.zeros(0, 3, dtype=torch.int32))
     assert out.shape == (0, 2, 1, 8)
+
+
+def test_no_backend_error_survives_pickling():
+    """Was TypeError on unpickling (``__init__`` needs ``reasons``): an error raised in a worker process
+    (multiprocessing, a DataLoader, a distributed helper) could not be sent back."""
+    import pickle
+
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(NoBackendError) as info:
+        attnx.attention(q, q, q, sinks=torch.zeros(2), backend="torch")
+    again = pickle.loads(pickle.dumps(info.value))
+    assert type(again) is NoBackendError and str(again) == str(info.value)
+    assert again.reasons == info.value.reasons and isinstance(again, (ValueError, RuntimeError))
+    for error in (InvalidArgumentError("`q` bad"), InvalidTypeError("`q` bad"), CacheCapacityError("full")):
+        assert str(pickle.loads(pickle.dumps(error))) == str(error)
