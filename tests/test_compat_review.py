@@ -253,3 +253,17 @@ def test_kvcache_gradients_reach_the_new_keys(layout):
     leaves = (q, new_k, new_v)
     for g, w in zip(torch.autograd.grad(got, leaves, dout), torch.autograd.grad(want, leaves, dout)):
         torch.testing.assert_close(g, w, **TOL)
+
+
+@pytest.mark.parametrize("cu_seqlens_k, error", [
+    (torch.tensor(3, dtype=torch.int32), attnx.InvalidArgumentError),   # was a raw IndexError
+    (torch.tensor([[0, 3, 4]], dtype=torch.int32), attnx.InvalidArgumentError),
+    (torch.tensor([0.0, 3.0, 4.0]), attnx.InvalidTypeError),             # was silently truncated to int32
+    (torch.tensor([0, 3, 4]), attnx.InvalidTypeError),                   # int64: refused as without block_table
+])
+def test_varlen_block_table_checks_cu_seqlens_k(cu_seqlens_k, error):
+    q, pool = torch.randn(5, 4, 8), torch.randn(4, 2, 2, 8)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    with pytest.raises(error, match="cu_seqlens_k"):
+        flash_attn.flash_attn_varlen_func(q, pool, pool, torch.tensor([0, 2, 5], dtype=torch.int32), cu_seqlens_k,
+                                          3, 4, block_table=table)

@@ -43,10 +43,19 @@ def _varlen(api, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     if block_table is None:
         opts.update(cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
     else:  # k, v are page pools; sequence b uses its first cu_seqlens_k[b+1] - cu_seqlens_k[b] keys
-        if not isinstance(cu_seqlens_k, torch.Tensor):
-            raise InvalidTypeError(f"{api}: `cu_seqlens_k` must be a torch.Tensor, got {type(cu_seqlens_k).__name__}")
-        opts.update(seqlens_k=(cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32), page_table=block_table)
+        opts.update(seqlens_k=_paged_lengths(api, cu_seqlens_k), page_table=block_table)
     return _run(api, q, k, v, opts, deterministic, return_attn_probs)
+
+
+def _paged_lengths(api: str, cu_seqlens_k) -> torch.Tensor:
+    """The key count of each sequence from ``cu_seqlens_k``, int32 ``(batch + 1,)`` as without ``block_table``."""
+    if not isinstance(cu_seqlens_k, torch.Tensor):
+        raise InvalidTypeError(f"{api}: `cu_seqlens_k` must be a torch.Tensor, got {type(cu_seqlens_k).__name__}")
+    if cu_seqlens_k.dtype != torch.int32:
+        raise InvalidTypeError(f"{api}: `cu_seqlens_k` must be int32, got {cu_seqlens_k.dtype}")
+    if cu_seqlens_k.dim() != 1 or cu_seqlens_k.shape[0] < 1:
+        raise InvalidArgumentError(f"{api}: `cu_seqlens_k` must be (batch + 1,), got shape {tuple(cu_seqlens_k.shape)}")
+    return cu_seqlens_k[1:] - cu_seqlens_k[:-1]
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
