@@ -193,6 +193,8 @@ KVCACHE_ERRORS = {  # name: (keyword overrides, the typed error); every one is r
     "new v head dim": ({"v": _bshd(2, 1, 2, 4)}, attnx.InvalidArgumentError),
     "v_cache length": ({"v_cache": torch.zeros(3, 5, 2, 8, dtype=F64)}, attnx.InvalidArgumentError),
     "k_cache rank": ({"k_cache": torch.zeros(6, 2, 8, dtype=F64)}, attnx.InvalidArgumentError),
+    "v_cache rank": ({"v_cache": torch.zeros(3, 6, 16, dtype=F64)}, attnx.InvalidArgumentError),
+    "k_cache not a tensor": ({"k_cache": [[0.0]]}, attnx.InvalidTypeError),  # was AttributeError
 }
 
 
@@ -206,12 +208,13 @@ def test_kvcache_error_leaves_the_caches_unchanged(name, by_rows):
                 k=_bshd(2, 1, 2), v=_bshd(2, 1, 2), cache_seqlens=2,
                 cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32) if by_rows else None)
     call.update(overrides)
-    if not by_rows and call["k_cache"].dim() == 4:
+    if not by_rows and isinstance(call["k_cache"], torch.Tensor) and call["k_cache"].dim() == 4:
         call["k_cache"], call["v_cache"] = call["k_cache"][:2], call["v_cache"][:2]
-    before = [call["k_cache"].clone(), call["v_cache"].clone()]
-    with pytest.raises(error):
+    before = [torch.as_tensor(call[name]).clone() for name in ("k_cache", "v_cache")]
+    with pytest.raises(error, match="k_cache|v_cache" if "rank" in name or "tensor" in name else None):
         flash_attn.flash_attn_with_kvcache(**call)
-    assert torch.equal(call["k_cache"], before[0]) and torch.equal(call["v_cache"], before[1])
+    assert torch.equal(torch.as_tensor(call["k_cache"]), before[0])
+    assert torch.equal(torch.as_tensor(call["v_cache"]), before[1])
 
 
 def test_kvcache_paged_error_leaves_the_pool_unchanged():

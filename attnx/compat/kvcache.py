@@ -37,6 +37,18 @@ def _slots(lengths: torch.Tensor, new: int, capacity: int) -> torch.Tensor:
     return lengths.long()[:, None] + torch.arange(new, device=lengths.device)
 
 
+def _check_caches(k_cache, v_cache) -> None:
+    """``k_cache``/``v_cache``: 4-D tensors, ``(batch_cache, seqlen_cache, nheads_k, d)`` or page pools."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(cache, torch.Tensor):
+            raise InvalidTypeError(f"flash_attn_with_kvcache: `{name}` must be a torch.Tensor, got "
+                                   f"{type(cache).__name__}")
+        if cache.dim() != 4:
+            raise InvalidArgumentError(f"flash_attn_with_kvcache: `{name}` must be (batch_cache, seqlen_cache, "
+                                       f"nheads_k, d) or (num_blocks, block_size, nheads_k, d), got shape "
+                                       f"{tuple(cache.shape)}")
+
+
 def _check_inputs(q, k_cache, v_cache, k, v, cache_batch_idx) -> None:
     """`q`, new `k`/`v` and `cache_batch_idx` checked before anything reads or writes them."""
     if not isinstance(q, torch.Tensor):
@@ -44,8 +56,10 @@ def _check_inputs(q, k_cache, v_cache, k, v, cache_batch_idx) -> None:
     if q.dim() != 4:
         raise InvalidArgumentError(f"flash_attn_with_kvcache: `q` must be (batch, seqlen_q, nheads, d), got "
                                    f"shape {tuple(q.shape)}")
-    if not all(isinstance(c, torch.Tensor) and c.dim() == 4 for c in (k_cache, v_cache)):
-        return  # attention names `k`/`v` (the caches) with its own checks, before any write
+    if k is not None:  # the caches are indexed to write the new keys: check them first
+        _check_caches(k_cache, v_cache)
+    elif not all(isinstance(c, torch.Tensor) and c.dim() == 4 for c in (k_cache, v_cache)):
+        return  # attention names `k`/`v` (the caches) with its own checks
     for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
         if t is None:
             continue
