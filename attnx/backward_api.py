@@ -17,7 +17,7 @@ from .autograd import lse_shape, run_backward
 from .api import empty_result
 from .dispatch import no_backend, priority
 from .errors import InvalidArgumentError, InvalidTypeError
-from .problem import Problem, make_call
+from .problem import Problem, check_strided, make_call
 from .selection import allowed_backends
 
 _CACHE_LIMIT = 4096
@@ -70,6 +70,7 @@ def _out_shape(p: Problem, q: torch.Tensor) -> tuple:
 def _check_tensor(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
     if not isinstance(t, torch.Tensor):
         raise InvalidTypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+    check_strided(name, t)
     if t.dtype != dtype:
         raise InvalidTypeError(f"`{name}` must be {str(dtype).replace('torch.', '')}, got "
                                f"{str(t.dtype).replace('torch.', '')}")

@@ -27,7 +27,7 @@ from .dispatch import choose
 from .errors import InvalidArgumentError, InvalidTypeError
 from .kvcache_append import CacheCapacityError, check_layout, new_tokens, packed_counts, write_tokens
 from .kvcache_pages import PageAllocator
-from .problem import FLOAT_DTYPES, make_problem
+from .problem import FLOAT_DTYPES, check_strided, make_problem
 from .registry import get_backend
 
 __all__ = ["KVCache", "CachePlan", "CacheCapacityError"]
@@ -54,6 +54,7 @@ def _check_storage(k, v) -> None:
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise InvalidTypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+        check_strided(name, t)
         if t.dtype not in FLOAT_DTYPES:
             raise InvalidTypeError(f"`{name}` must be float16, bfloat16, float32 or float64, got {t.dtype}")
         if t.dim() != 4:
@@ -70,6 +71,7 @@ def _check_storage(k, v) -> None:
 def _check_page_table(page_table, num_pages: int, device) -> None:
     if not isinstance(page_table, torch.Tensor):
         raise InvalidTypeError(f"`page_table` must be a torch.Tensor, got {type(page_table).__name__}")
+    check_strided("page_table", page_table)
     if page_table.dtype != torch.int32:
         raise InvalidTypeError(f"`page_table` must be int32, got {page_table.dtype}")
     if page_table.dim() != 2:

@@ -13,6 +13,7 @@ import torch
 
 from .errors import InvalidArgumentError, InvalidTypeError
 from .index_checks import check_offsets, check_pages, validating
+from .problem import check_strided
 
 LAYOUTS = ("bhsd", "bshd")
 
@@ -33,6 +34,7 @@ def packed_counts(cu_seqlens, batch: int, total: int, tensor: str = "q") -> list
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise InvalidTypeError(f"`cu_seqlens` must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    check_strided("cu_seqlens", cu_seqlens)
     if cu_seqlens.dtype != torch.int32:
         raise InvalidTypeError(f"`cu_seqlens` must be int32, got {cu_seqlens.dtype}")
     if tuple(cu_seqlens.shape) != (batch + 1,):
@@ -46,6 +48,7 @@ def packed_counts(cu_seqlens, batch: int, total: int, tensor: str = "q") -> list
 def _check_tensor(name: str, t, cache) -> None:
     if not isinstance(t, torch.Tensor):
         raise InvalidTypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+    check_strided(name, t)
     if t.dtype != cache.dtype:
         raise InvalidTypeError(f"`{name}` must have the cache's dtype {cache.dtype}, got {t.dtype}")
     if t.device != cache.device:

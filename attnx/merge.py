@@ -6,7 +6,7 @@ from typing import Sequence
 import torch
 
 from .errors import InvalidArgumentError, InvalidTypeError
-from .problem import FLOAT_DTYPES
+from .problem import FLOAT_DTYPES, check_strided
 
 _LAYOUTS = ("bhsd", "bshd", "varlen")
 
@@ -80,6 +80,7 @@ def _checked_parts(outs, lses, layout) -> tuple[list, list]:
         for name, t, rank in (("outs", o, out_rank), ("lses", l, lse_rank)):
             if not isinstance(t, torch.Tensor):
                 raise InvalidTypeError(f"part {i}: `{name}` must hold tensors, got {type(t).__name__}")
+            check_strided(name, t)
             if t.dtype not in FLOAT_DTYPES:
                 raise InvalidTypeError(f"part {i}: `{name}` must hold float16, bfloat16, float32 or float64 "
                                        f"tensors, got {t.dtype}")

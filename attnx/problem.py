@@ -251,9 +251,20 @@ def _finite_float(name: str, value) -> float:
 
 
 # -- tensors --------------------------------------------------------------------------------
+_STRIDED = torch.strided
+
+
+def check_strided(name: str, t: torch.Tensor) -> None:
+    """A dense (strided) tensor: sparse, nested or mkldnn tensors get the typed error, not a kernel's."""
+    if t.layout is not _STRIDED or t.is_nested:
+        kind = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+        raise InvalidTypeError(f"`{name}` must be a dense (strided) torch.Tensor, got {kind}")
+
+
 def _check_tensor(name: str, t, rank: int, what: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise InvalidTypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+    check_strided(name, t)
     if t.dim() != rank:
         raise InvalidArgumentError(f"`{name}` must be {rank}-D {what}, got shape {tuple(t.shape)}")
     if t.dtype not in FLOAT_DTYPES:
@@ -264,6 +275,7 @@ def _check_index(name: str, t, length: Optional[int], device) -> int:
     """An int32 1-D (length given) or 2-D index tensor on `device`; returns its first dim."""
     if not isinstance(t, torch.Tensor):
         raise InvalidTypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+    check_strided(name, t)
     if t.dtype != torch.int32:
         raise InvalidTypeError(f"`{name}` must be int32, got {t.dtype}")
     want_rank = 1 if length is not None or name != "page_table" else 2
@@ -398,6 +410,7 @@ def _mask_fields(mask, target: tuple, device, dense: bool):
         return None, None
     if not isinstance(mask, torch.Tensor):
         raise InvalidTypeError(f"`mask` must be a torch.Tensor or None, got {type(mask).__name__}")
+    check_strided("mask", mask)
     if not dense:
         raise InvalidArgumentError("`mask` needs dense q, k and v (not the varlen, cache or paged formats)")
     if mask.dtype == torch.bool:
@@ -416,6 +429,7 @@ def _mask_fields(mask, target: tuple, device, dense: bool):
 def _check_vector(name: str, t, shapes: tuple, device, what: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise InvalidTypeError(f"`{name}` must be a torch.Tensor or None, got {type(t).__name__}")
+    check_strided(name, t)
     if t.dtype != torch.float32:
         raise InvalidTypeError(f"`{name}` must be float32, got {t.dtype}")
     if tuple(t.shape) not in shapes:
@@ -461,7 +475,10 @@ def make_call(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
         if (mask is None and window is None and offset is None and softcap is None and alibi_slopes is None
                 and sinks is None and cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None
                 and max_seqlen_k is None and seqlens_k is None and page_table is None and grad_inputs is None):
-            memo_key, known = call_memo.lookup(q, k, v, layout, causal, scale, deterministic, wants_lse)
+            try:
+                memo_key, known = call_memo.lookup(q, k, v, layout, causal, scale, deterministic, wants_lse)
+            except RuntimeError:  # a tensor without sizes (nested): the checks below raise the typed error
+                memo_key = known = None
             if known is not None:  # a plain call validated before (see call_memo.py)
                 return call_memo.problem_of(known), Inputs(q, k, v)
     if layout not in LAYOUTS:
