@@ -216,13 +216,18 @@ def _integer(name: str, value) -> int:
         raise InvalidTypeError(f"{name} must be an int, got {value!r}") from None
 
 
+_WIDEST_WINDOW = 1 << 62  # far beyond any position (lengths and |offset| < 2**28 for kernels, int64 anyway)
+
+
 def _window_side(name: str, value) -> Optional[int]:
     if value is None:
         return None
     value = _integer(f"`window` {name}", value)
     if value < 0:
         raise InvalidArgumentError(f"`window` {name} must be >= 0 or None, got {value}")
-    return value
+    # a side past every position is the same window as any other such side: kept within int64, where
+    # the backends do their position arithmetic (2**70 raised OverflowError there)
+    return min(value, _WIDEST_WINDOW)
 
 
 def _offset(value, seqlen_q: int, seqlen_k: int, q_format: str, kv_format: str) -> Optional[int]:

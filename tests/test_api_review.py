@@ -319,3 +319,14 @@ def test_sparse_tensors_elsewhere_are_type_errors():
     out, lse = attnx.attention(q, q, q, return_lse=True)
     with pytest.raises(InvalidTypeError, match="`out`"):
         attnx.attention_backward(q, q, q, out.to_sparse(), lse, out)
+
+
+@pytest.mark.parametrize("window", [(2 ** 70, 0), (0, 2 ** 70), (3, 2 ** 64)])
+@pytest.mark.parametrize("backend", ["naive", "blocked", "torch"])
+def test_window_sides_beyond_int64_are_unbounded(window, backend):
+    """Was a bare OverflowError in naive/blocked (torch clamped): a side past every position is unbounded."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    finite = tuple(min(side, 100) for side in window)
+    torch.testing.assert_close(attnx.attention(q, k, v, window=window, backend=backend),
+                               attnx.attention(q, k, v, window=finite, backend="naive"))
