@@ -97,6 +97,7 @@ def _pad_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
 
 
 def _mask_4d(attn_mask: Optional[torch.Tensor], batch: tuple, heads: int, seqlen_q: int, seqlen_k: int):
+    """The mask for the flattened ``(prod(batch), heads, L, S)`` problem (as given when there is one batch dim)."""
     if attn_mask is None or len(batch) == 1:
         return attn_mask  # attnx broadcasts masks of up to 4 dims to (B, H, L, S) as torch does
     target = (*batch, heads, seqlen_q, seqlen_k)
@@ -164,12 +165,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         query: ``(N, ..., Hq, L, E)``; key ``(N, ..., H, S, E)``; value ``(N, ..., H, S, Ev)``. Batch
             dims broadcast; without ``enable_gqa`` the head dims broadcast too (1 = shared).
         attn_mask: bool (True = take part) or float added to the scores, broadcastable to
-            ``(N, ..., Hq, L, S)`` (any rank, a 1-D ``(S,)`` mask included); float32 or the query's dtype.
+            ``(N, ..., Hq, L, S)`` without adding dims (a 1-D ``(S,)`` mask included); float32 or the
+            query's dtype.
         dropout_p: must be 0.0 (attnx has no dropout: anything else raises `CompatArgumentError`).
         is_causal: query ``i`` sees keys ``j <= i`` (top-left, also when ``L != S``); an error
             together with ``attn_mask``, as in torch.
-        dropout_p, scale: any real number torch takes (Python, NumPy, a 0-dim tensor).
-        scale: score scale, default ``1 / sqrt(E)``.
+        scale: score scale, default ``1 / sqrt(E)``. ``scale`` and ``dropout_p`` take any real
+            number torch takes (Python, NumPy, a 0-dim tensor).
         enable_gqa: ``Hq`` a multiple of key's and of value's heads; query head ``h`` reads key head
             ``h // (Hq / H)`` (value heads alike: key and value may have different head counts).
 
