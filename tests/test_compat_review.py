@@ -6,6 +6,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+import torch.nn.attention.bias
 import torch.nn.functional as F
 
 import attnx
@@ -112,6 +113,25 @@ def test_dtype_errors_are_runtime_errors_as_in_torch(case):
     with pytest.raises(CompatTypeError) as info:
         scaled_dot_product_attention(q, k, k)
     assert isinstance(info.value, RuntimeError) and isinstance(info.value, attnx.InvalidTypeError)
+
+
+@pytest.mark.filterwarnings("ignore:Lower right causal bias will produce NaNs")  # torch's, for sq > sk
+@pytest.mark.parametrize("variant", ["causal_lower_right", "causal_upper_left"])
+@pytest.mark.parametrize("sq, sk", [(3, 5), (4, 4), (6, 3)])
+def test_torch_causal_bias_masks(variant, sq, sk):
+    """torch.nn.attention.bias masks were read as plain float masks: their data is not the mask (wrong output)."""
+    bias = getattr(torch.nn.attention.bias, variant)(sq, sk)
+    q, k, v = _rand(2, 4, sq, 8, requires_grad=True), _rand(2, 2, sk, 8, requires_grad=True), _rand(2, 2, sk, 8)
+    _same_as_torch((q, k, v, bias), {"enable_gqa": True})
+    _same_as_torch((q, k, v, bias), {"enable_gqa": True}, backend="blocked")
+
+
+def test_torch_causal_bias_errors():
+    q = _rand(1, 2, 3, 8)
+    with pytest.raises(CompatArgumentError, match="causal=True"):
+        scaled_dot_product_attention(q, q, q, attn_mask=torch.nn.attention.bias.causal_upper_left(3, 3), is_causal=True)
+    with pytest.raises(CompatArgumentError, match="CausalBias"):
+        scaled_dot_product_attention(q, q, q, attn_mask=torch.nn.attention.bias.causal_lower_right(3, 4))
 
 
 # -- use_attnx_for_sdpa: blocks of two threads closing out of order -------------------------------

@@ -9,6 +9,7 @@ import math
 from typing import Optional
 
 import torch
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from ..api import attention
 from ..errors import InvalidArgumentError, InvalidTypeError
@@ -48,6 +49,23 @@ def _check_mask(attn_mask, query: torch.Tensor, rank: int) -> Optional[torch.Ten
     if attn_mask.dim() < 2:
         return attn_mask.reshape(1, -1) if attn_mask.dim() == 1 else attn_mask.reshape(1, 1)
     return attn_mask
+
+
+def _causal_bias(attn_mask, is_causal: bool, seqlen_q: int, seqlen_k: int) -> tuple:
+    """``(attn_mask, is_causal, offset)`` with torch's ``CausalBias`` masks turned into attnx's causal rule.
+
+    ``causal_upper_left(L, S)`` is ``is_causal=True`` (``offset=0``); ``causal_lower_right(L, S)``
+    aligns the triangle bottom-right (``offset=None``, attnx's default). torch computes these through
+    ``CausalBias.__torch_function__``; read as a plain float mask, their data is not the mask.
+    """
+    if not isinstance(attn_mask, CausalBias):
+        return attn_mask, is_causal, 0 if is_causal else None
+    if is_causal:
+        raise CompatArgumentError("scaled_dot_product_attention: CausalBias should not be used with causal=True")
+    if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (seqlen_q, seqlen_k):
+        raise CompatArgumentError(f"scaled_dot_product_attention: the CausalBias is for ({attn_mask.seq_len_q}, "
+                                  f"{attn_mask.seq_len_kv}) scores, got L = {seqlen_q} queries and S = {seqlen_k} keys")
+    return None, True, None if attn_mask.variant == CausalVariant.LOWER_RIGHT else 0
 
 
 def _heads(hq: int, hk: int, hv: int, enable_gqa: bool) -> tuple[int, int]:
@@ -108,11 +126,10 @@ def _mask_4d(attn_mask: Optional[torch.Tensor], batch: tuple, heads: int, seqlen
                                   f"{target}") from None
 
 
-def _attention(q, k, v, is_causal: bool, mask, scale, backend):
+def _attention(q, k, v, is_causal: bool, offset, mask, scale, backend):
     """`attnx.attention` on the 4-D tensors; argument errors torch raises as RuntimeError become compat errors."""
     try:
-        return attention(q, k, v, causal=is_causal, offset=0 if is_causal else None, mask=mask, scale=scale,
-                         backend=backend)
+        return attention(q, k, v, causal=is_causal, offset=offset, mask=mask, scale=scale, backend=backend)
     except (CompatArgumentError, CompatTypeError):
         raise
     except InvalidArgumentError as err:  # shapes that do not fit (torch: RuntimeError)
@@ -132,6 +149,8 @@ def sdpa_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if scale is not None and type(scale) is not float:
         scale = real_as_float(scale)  # attnx's check names anything else
     (bq, hq), (bk, hk), (bv, hv) = _split(query, "query"), _split(key, "key"), _split(value, "value")
+    seqlen_q, seqlen_k, dim_v = query.shape[-2], key.shape[-2], value.shape[-1]
+    attn_mask, is_causal, offset = _causal_bias(attn_mask, is_causal, seqlen_q, seqlen_k)
     rank = max(query.dim(), key.dim(), value.dim())
     attn_mask = _check_mask(attn_mask, query, rank)
     if is_causal and attn_mask is not None:
@@ -143,13 +162,12 @@ def sdpa_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         raise CompatArgumentError(f"scaled_dot_product_attention: batch dims do not broadcast: {err}") from None
     heads, heads_kv = _heads(hq, hk, hv, enable_gqa)
     batch4 = batch if batch else (1,)
-    seqlen_q, seqlen_k, dim_v = query.shape[-2], key.shape[-2], value.shape[-1]
     q = _as_4d(query, batch4, heads)
     k, v = _kv_4d(key, hk, batch4, heads_kv), _kv_4d(value, hv, batch4, heads_kv)
     if q.shape[-1] == 0 or dim_v == 0:
         q, k, v = _pad_head_dims(q, k, v)
     mask = _mask_4d(attn_mask, batch4, heads, seqlen_q, seqlen_k)
-    out = _attention(q, k, v, is_causal, mask, scale, backend)
+    out = _attention(q, k, v, is_causal, offset, mask, scale, backend)
     if dim_v == 0:
         out = out[..., :0]
     # the output has the broadcast rank of the inputs: (*batch, H, L, Ev), or (H, L, Ev), or (L, Ev)
@@ -169,7 +187,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             query's dtype.
         dropout_p: must be 0.0 (attnx has no dropout: anything else raises `CompatArgumentError`).
         is_causal: query ``i`` sees keys ``j <= i`` (top-left, also when ``L != S``); an error
-            together with ``attn_mask``, as in torch.
+            together with ``attn_mask``, as in torch. torch's ``causal_upper_left(L, S)`` and
+            ``causal_lower_right(L, S)`` masks (``torch.nn.attention.bias``) are that rule aligned
+            top-left and bottom-right.
         scale: score scale, default ``1 / sqrt(E)``. ``scale`` and ``dropout_p`` take any real
             number torch takes (Python, NumPy, a 0-dim tensor).
         enable_gqa: ``Hq`` a multiple of key's and of value's heads; query head ``h`` reads key head
