@@ -262,6 +262,8 @@ class KVCache:
         if isinstance(lengths, torch.Tensor):
             if lengths.dtype not in (torch.int32, torch.int64):
                 raise InvalidTypeError(f"`lengths` must be an int32 or int64 tensor, got {lengths.dtype}")
+            if lengths.is_meta:
+                raise InvalidArgumentError("`lengths` must hold values (it is read on the host), got a meta tensor")
             if tuple(lengths.shape) != (self.batch,):
                 raise InvalidArgumentError(f"`lengths` must be an integer tensor of shape ({self.batch},), got "
                                            f"{lengths.dtype} {tuple(lengths.shape)}")

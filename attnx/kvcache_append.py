@@ -37,6 +37,8 @@ def packed_counts(cu_seqlens, batch: int, total: int, tensor: str = "q") -> list
     check_strided("cu_seqlens", cu_seqlens)
     if cu_seqlens.dtype != torch.int32:
         raise InvalidTypeError(f"`cu_seqlens` must be int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.is_meta:
+        raise InvalidArgumentError("`cu_seqlens` must hold values (it is read on the host), got a meta tensor")
     if tuple(cu_seqlens.shape) != (batch + 1,):
         raise InvalidArgumentError(f"`cu_seqlens` must have shape ({batch + 1},) (batch + 1), "
                                    f"got {tuple(cu_seqlens.shape)}")

@@ -492,12 +492,15 @@ def make_call(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
         raise InvalidTypeError(f"`deterministic` must be True, False or None, got {deterministic!r}")
     x = Inputs(q, k, v, mask, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqlens_k, page_table)
     q_format, kv_format = _formats(x)
+    # q, k and v on different devices, before the index tensors are held to q's device (an index tensor on
+    # k's device would otherwise be blamed for q's); a non-tensor gets its typed error in `_sizes`
+    if (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+            and (k.device != q.device or v.device != q.device)):
+        raise InvalidArgumentError(f"`q`, `k` and `v` must be on one device, got {q.device}, {k.device}, {v.device}")
     sizes = _sizes(x, layout, q_format, kv_format, max_seqlen_q, max_seqlen_k)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise InvalidTypeError(f"`q`, `k` and `v` must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     device = q.device
-    if k.device != device or v.device != device:
-        raise InvalidArgumentError(f"`q`, `k` and `v` must be on one device, got {device}, {k.device}, {v.device}")
     dense = q_format == "dense" and kv_format == "dense"
     target = (sizes.batch, sizes.heads_q, sizes.seqlen_q, sizes.seqlen_k)
     mask_kind, mask_shape = _mask_fields(mask, target, device, dense)

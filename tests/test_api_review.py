@@ -330,3 +330,27 @@ def test_window_sides_beyond_int64_are_unbounded(window, backend):
     finite = tuple(min(side, 100) for side in window)
     torch.testing.assert_close(attnx.attention(q, k, v, window=window, backend=backend),
                                attnx.attention(q, k, v, window=finite, backend="naive"))
+
+
+def test_q_on_another_device_is_named_before_the_index_tensors():
+    """Was "`seqlens_k` must be on meta, got cpu" for a q on another device than the cache (the index
+    tensors were held to q's device before q, k and v were compared). "meta" stands in for a second device."""
+    q, k, v = torch.randn(2, 4, 1, 8, device="meta"), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    with pytest.raises(InvalidArgumentError, match="`q`, `k` and `v` must be on one device"):
+        attnx.attention(q, k, v, seqlens_k=_i32(3, 4))
+    cache = _cache(None)
+    with pytest.raises(InvalidArgumentError, match="`q`, `k` and `v` must be on one device"):
+        cache.attend(q, torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8))
+    assert cache.seqlens == [3, 3]
+
+
+def test_meta_index_values_for_the_cache_are_typed_errors():
+    """Was NotImplementedError ("Cannot copy out of meta tensor") from the host read."""
+    cache = _cache(None)
+    with pytest.raises(InvalidArgumentError, match="`cu_seqlens`"):
+        cache.append(torch.randn(2, 2, 8), torch.randn(2, 2, 8), cu_seqlens=_i32(0, 1, 2).to("meta"))
+    with pytest.raises(InvalidArgumentError, match="`lengths`"):
+        cache.set_lengths(_i32(1, 1).to("meta"))
+    with pytest.raises(InvalidArgumentError, match="`lengths`"):
+        KVCache(torch.randn(2, 8, 2, 8), torch.randn(2, 8, 2, 8), lengths=_i32(1, 1).to("meta"))
+    assert cache.seqlens == [3, 3]
