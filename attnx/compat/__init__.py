@@ -9,8 +9,8 @@
 
 See docs/integration.md.
 """
-from .errors import CompatArgumentError
+from .errors import CompatArgumentError, CompatTypeError
 from .sdpa import scaled_dot_product_attention
 from .sdpa_override import use_attnx_for_sdpa
 
-__all__ = ["scaled_dot_product_attention", "use_attnx_for_sdpa", "CompatArgumentError"]
+__all__ = ["scaled_dot_product_attention", "use_attnx_for_sdpa", "CompatArgumentError", "CompatTypeError"]
