@@ -163,6 +163,17 @@ def kvc_pools(**kw):
     return kvc(tensors=(r(B, 1, HQ, D), r(3, 4, HKV, D), r(3, 4, HKV, D)), **kw)
 
 
+def _causal_bias(seqlen_q, seqlen_k):
+    """torch's lower-right causal bias object (`torch.nn.attention.bias`), as SDPA takes it for attn_mask."""
+    import warnings
+
+    from torch.nn.attention.bias import causal_lower_right
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns about NaN rows when seq_len_q > seq_len_kv
+        return causal_lower_right(seqlen_q, seqlen_k)
+
+
 def qkv3(*shape):    # sdpa tensors (N, H, L, E) or (L, E)
     return r(*shape)
 
@@ -389,6 +400,15 @@ ROWS = [
     Row("compat sdpa", "dropout_p", "not a number", Type, lambda: sdpa(*(qkv3(2, 3, 4) for _ in range(3)), dropout_p="0")),
     Row("compat sdpa", "is_causal", "not a bool", Type, lambda: sdpa(*(qkv3(2, 3, 4) for _ in range(3)), is_causal=1)),
     Row("compat sdpa", "scale", "not a number", Type, lambda: sdpa(*(qkv3(2, 3, 4) for _ in range(3)), scale="1")),
+    Row("compat sdpa", "scale", "NaN or infinite", Compat,
+        lambda: sdpa(*(qkv3(2, 3, 4) for _ in range(3)), scale=math.nan), words="`scale`"),
+    Row("compat sdpa", "attn_mask", "more dims than the scores", Compat,
+        lambda: sdpa(*(qkv3(3, 4) for _ in range(3)), attn_mask=torch.ones(1, 3, 3, dtype=torch.bool)),
+        words="attn_mask"),
+    Row("compat sdpa", "attn_mask", "a causal bias object with is_causal=True", Compat,
+        lambda: sdpa(*(qkv3(1, 2, 3, 4) for _ in range(3)), attn_mask=_causal_bias(3, 3), is_causal=True)),
+    Row("compat sdpa", "attn_mask", "a causal bias object for other lengths", Compat,
+        lambda: sdpa(*(qkv3(1, 2, 3, 4) for _ in range(3)), attn_mask=_causal_bias(5, 3))),
 
     # -- compat: flash-attn -------------------------------------------------------------------
     Row(FA, "q", "not a tensor", Type, lambda: fa.flash_attn_func([1.0], bshd(1, 3, 2, 4), bshd(1, 3, 2, 4))),
@@ -417,6 +437,9 @@ ROWS = [
                                                                cu_seqlens_k=i32(0, 3, 5),
                                                                block_table=table([0, 1], [2, 0]).float()),
         words="`page_table`"),
+    Row(FAV, "cu_seqlens_k", "not int32, with block_table", Type,
+        lambda: fa_varlen(tensors=(r(7, HQ, D),) + pools()[1:], cu_seqlens_k=torch.tensor([0.0, 3.0, 5.0]),
+                          block_table=table([0, 1], [2, 0])), words="`cu_seqlens_k`"),
     Row(FAV, "cu_seqlens_k", "not a tensor, with block_table", Type,
         lambda: fa_varlen(tensors=(r(7, HQ, D),) + pools()[1:], cu_seqlens_k=[0, 3, 5], block_table=table([0, 1], [2, 0]))),
     Row("flash_attn_varlen_qkvpacked_func", "qkv", "not a tensor", Type,
@@ -427,6 +450,11 @@ ROWS = [
     Row(FAC, "k", "not a tensor", Type, lambda: kvc(k=[1.0], v=[1.0], cache_seqlens=2)),
     Row(FAC, "k", "heads differ from the cache's", Arg, lambda: kvc(k=r(B, 1, HKV + 1, D), v=r(B, 1, HKV + 1, D),
                                                                    cache_seqlens=2)),
+    Row(FAC, "k", "head dim differs from the cache's", Arg, lambda: kvc(k=r(B, 1, HKV, D + 8), v=r(B, 1, HKV, D),
+                                                                       cache_seqlens=2)),
+    Row(FAC, "k_cache", "not 4-D, with new keys", Arg,
+        lambda: kvc(tensors=(r(B, 1, HQ, D), r(B, 6, HKV * D), r(B, 6, HKV * D)), k=r(B, 1, HKV, D), v=r(B, 1, HKV, D),
+                    cache_seqlens=2), words="`k_cache`"),
     Row(FAC, "k", "batch differs from q", Arg, lambda: kvc(k=r(B + 1, 1, HKV, D), v=r(B + 1, 1, HKV, D), cache_seqlens=2)),
     Row(FAC, "cache_seqlens", "missing when k, v are appended", Arg,
         lambda: kvc(k=r(B, 1, HKV, D), v=r(B, 1, HKV, D))),

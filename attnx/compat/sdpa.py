@@ -61,9 +61,10 @@ def _causal_bias(attn_mask, is_causal: bool, seqlen_q: int, seqlen_k: int) -> tu
     if not isinstance(attn_mask, CausalBias):
         return attn_mask, is_causal, 0 if is_causal else None
     if is_causal:
-        raise CompatArgumentError("scaled_dot_product_attention: CausalBias should not be used with causal=True")
+        raise CompatArgumentError("scaled_dot_product_attention: `attn_mask` is a CausalBias, which should not be "
+                                  "used with is_causal=True")
     if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (seqlen_q, seqlen_k):
-        raise CompatArgumentError(f"scaled_dot_product_attention: the CausalBias is for ({attn_mask.seq_len_q}, "
+        raise CompatArgumentError(f"scaled_dot_product_attention: `attn_mask` is a CausalBias for ({attn_mask.seq_len_q}, "
                                   f"{attn_mask.seq_len_kv}) scores, got L = {seqlen_q} queries and S = {seqlen_k} keys")
     return None, True, None if attn_mask.variant == CausalVariant.LOWER_RIGHT else 0
 
