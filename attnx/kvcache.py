@@ -50,6 +50,14 @@ def _count(name: str, value, minimum: int) -> int:
     return value
 
 
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether two positions of `t` share memory (an expanded view): writes through it would collide."""
+    if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+        return True
+    check = getattr(torch, "_debug_has_internal_overlap", None)  # 1: overlaps (0: no, 2: too hard to tell)
+    return check is not None and check(t) == 1
+
+
 def _check_storage(k, v) -> None:
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -59,6 +67,10 @@ def _check_storage(k, v) -> None:
             raise InvalidTypeError(f"`{name}` must be float16, bfloat16, float32 or float64, got {t.dtype}")
         if t.dim() != 4:
             raise InvalidArgumentError(f"`{name}` must be 4-D storage, got shape {tuple(t.shape)}")
+        if _overlaps(t):
+            raise InvalidArgumentError(f"`{name}` must not overlap itself (an expanded view, stride 0 where a dim "
+                                       f"has more than one entry: strides {t.stride()}): appends would write one "
+                                       "slot for several positions; pass a copy (`.contiguous()`)")
     if v.dtype != k.dtype:
         raise InvalidTypeError(f"`v` must have the dtype of `k` ({k.dtype}), got {v.dtype}")
     if v.device != k.device:

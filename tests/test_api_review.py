@@ -354,3 +354,15 @@ def test_meta_index_values_for_the_cache_are_typed_errors():
     with pytest.raises(InvalidArgumentError, match="`lengths`"):
         KVCache(torch.randn(2, 8, 2, 8), torch.randn(2, 8, 2, 8), lengths=_i32(1, 1).to("meta"))
     assert cache.seqlens == [3, 3]
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 2, 4), (2, 1, 2, 4), (2, 8, 1, 4)])
+def test_kvcache_refuses_storage_that_overlaps_itself(shape):
+    """Was: accepted; the first append raised torch's bare RuntimeError, or (lengths differing) every sequence
+    silently wrote into the same memory."""
+    k = torch.zeros(shape).expand(2, 8, 2, 4)
+    with pytest.raises(InvalidArgumentError, match="`k` must not overlap"):
+        KVCache(k, torch.zeros(2, 8, 2, 4), lengths=[0, 1])
+    with pytest.raises(InvalidArgumentError, match="`v` must not overlap"):
+        KVCache(torch.zeros(2, 8, 2, 4), k)
+    KVCache(torch.zeros(2, 2, 8, 4).transpose(1, 2), torch.zeros(2, 2, 8, 4).transpose(1, 2))  # views are fine
