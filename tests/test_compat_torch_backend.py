@@ -200,3 +200,31 @@ def test_cuda_path_nan_row_finder_agrees_with_isnan_any(dtype, transposed):
         t = t.transpose(1, 2).contiguous().transpose(1, 2)
     assert torch.equal(_rows_with_nan(t), torch.isnan(t).any(-1))
     assert torch.equal(_rows_with_nan(t[..., :0]), torch.zeros(t.shape[:-1], dtype=torch.bool))
+
+
+@pytest.mark.parametrize("seqlen_k", [1, 4, 15, 16, 40])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("where", ["q", "k"])
+def test_cpu_kernel_nan_rows_are_nan_rows(seqlen_k, causal, where):
+    """torch's CPU flash kernel (torch 2.13) turns a row whose scores are all NaN into a row that saw nothing
+    (out 0, lse 0) below 16 keys; the torch backend gives the formula's NaN rows (out, lse, and which
+    rows of each gradient hold a NaN), as `naive` does."""
+    gen = torch.Generator().manual_seed(seqlen_k)
+    q, k, v = (torch.randn(2, 2, n, 8, generator=gen) for n in (3, seqlen_k, seqlen_k))
+    if where == "q":
+        q[0, 1, -1, 4] = float("nan")  # the last row sees keys under either alignment
+    else:
+        k[1, 0, seqlen_k // 2, 4] = float("nan")
+    results = {}
+    for backend in ("torch", "naive"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = attnx.attention(*leaves, causal=causal, backend=backend, return_lse=True)
+        out.sum().backward()
+        results[backend] = (out.detach(), lse, *(t.grad for t in leaves))
+    got, want = results["torch"], results["naive"]
+    assert torch.isnan(want[0]).any()
+    for a, b in zip(got, want):
+        assert torch.equal(torch.isnan(a).any(-1) if a.dim() == 4 else torch.isnan(a),
+                           torch.isnan(b).any(-1) if b.dim() == 4 else torch.isnan(b))
+    finite = torch.isfinite(want[0])
+    assert torch.allclose(got[0][finite], want[0][finite], atol=1e-5)

@@ -9,7 +9,11 @@ Where the contract and the kernel differ, this module adjusts:
   ``lse = -inf`` (the backward gets 0 back, so such rows get zero gradients);
 * float64: the contract's ``lse`` is float32, too coarse for a float64 backward, so the
   backward asks the kernel for the float64 one again (one more forward);
-* non-finite ``q``/``k`` behind a hiding mask: `nonfinite` recomputes those batch entries.
+* non-finite ``q``/``k`` behind a hiding mask: `nonfinite` recomputes those batch entries;
+* non-finite ``q``/``k`` anywhere else: the kernel (torch 2.13) turns a row whose scores are all
+  NaN into a row that saw nothing (``out = 0``, ``lse = 0``) when there are fewer than 16 keys, and
+  gives finite ``out`` rows for scores of ``+inf``; such calls leave an lse that is not finite or
+  exactly 0 (`_suspect`), and only then are the batch entries with non-finite q/k recomputed.
 """
 from __future__ import annotations
 
@@ -71,6 +75,19 @@ def _caller_out(p: Problem, x: Inputs, out_k: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _suspect(lse: torch.Tensor) -> bool:
+    """Whether `lse` holds a NaN, an infinity or an exact 0: what the kernel leaves for rows that met a NaN
+    or an infinity in q or k (a row that sees a key otherwise has a finite lse, 0 only by coincidence,
+    which costs an exact check and no more). Three small ops over (B, Hq, Sq)."""
+    return not math.isfinite(float(lse.reciprocal().add_(lse).sum()))
+
+
+def _fix_nonfinite(p: Problem, x: Inputs, q, k, out, lse) -> None:
+    batches = nonfinite.bad_batches(q, k)
+    if batches:
+        nonfinite.fix_forward(p, x, out, lse, batches)
+
+
 def forward(p: Problem, x: Inputs):
     q, k, v = x.q, x.k, x.v
     # Every line here runs on every call, right after the previous kernel left the caches cold, where each
@@ -89,9 +106,10 @@ def forward(p: Problem, x: Inputs):
         else:
             out_k, lse = _flash_cpu()(q, k, v, 0.0, is_causal, scale=p.scale)
         lse = lse.float() if p.dtype is _FLOAT64 else lse  # the contract's lse is float32
-        if p.layout == "bhsd" and out_k.is_contiguous():  # `_caller_out`, inline
-            return out_k, lse
-        return _caller_out(p, x, out_k), lse
+        out = out_k if p.layout == "bhsd" and out_k.is_contiguous() else _caller_out(p, x, out_k)
+        if _suspect(lse):
+            _fix_nonfinite(p, x, q, k, out, lse)
+        return out, lse
     km = kernel_mask(p, x.mask, q)
     out_k, lse_k = _kernel_forward(p, q, k, v, km)
     out = _caller_out(p, x, out_k)
@@ -101,10 +119,8 @@ def forward(p: Problem, x: Inputs):
     if dead is not None:
         # the kernel's lse is 0 there (out is already 0); a NaN row stays NaN
         lse.masked_fill_(dead & ~torch.isnan(lse), NEG_INF)
-    if km.hides:
-        batches = nonfinite.bad_batches(q, k)
-        if batches:
-            nonfinite.fix_forward(p, x, out, lse, batches)
+    if km.hides or _suspect(lse.masked_fill(lse == NEG_INF, 1.0) if dead is not None else lse):
+        _fix_nonfinite(p, x, q, k, out, lse)
     return out, lse
 
 
@@ -118,7 +134,7 @@ def backward(p: Problem, x: Inputs, out, lse, dout) -> Grads:
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         _last_dim_contiguous(dout), q, k, v, _last_dim_contiguous(out), lse, 0.0, km.is_causal,
         attn_mask=km.mask, scale=p.scale)
-    if km.hides:
+    if km.hides or not bool(torch.isfinite(lse).all()):  # the forward's fixed lse: NaN where q/k met NaN
         batches = nonfinite.bad_batches(q, k)
         if batches:
             nonfinite.fix_backward(p, x, dout, (dq, dk, dv), batches)
