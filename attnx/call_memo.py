@@ -64,8 +64,9 @@ def lookup(q, k, v, layout, causal, scale, deterministic=None, wants_lse=True) -
         # what `make_call` makes of `deterministic`: False and None leave torch's switch in charge
         grads = (q.requires_grad, k.requires_grad, v.requires_grad,
                  deterministic is True or torch.are_deterministic_algorithms_enabled())
-    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, layout, causal,
-           scale, grads, wants_lse is True)
+    # the tensors' layouts too: a sparse q of a remembered shape must meet the full path's typed error
+    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.layout, k.layout,
+           v.layout, layout, causal, scale, grads, wants_lse is True)
     return key, _memo.get(key)
 
 

@@ -293,7 +293,7 @@ def test_sparse_or_nested_tensors_are_type_errors(case):
     """Was a bare RuntimeError from deep inside a backend (or from the plain-call memo's ``q.shape``)."""
     from attnx import call_memo
 
-    call_memo.clear()  # (a plain call of these shapes validated before would skip the checks: see the report)
+    call_memo.clear()  # (also without it since the memo key holds the layouts: tests/test_call_memo.py)
     make, name = _NOT_STRIDED[case]
     q = torch.randn(1, 2, 5, 7)
     args = dict(q=q, k=torch.randn(1, 2, 5, 7), v=torch.randn(1, 2, 5, 7))

@@ -223,3 +223,14 @@ def test_make_problem_wants_lse_must_be_a_bool():
     assert attnx.make_problem(q, k, v, wants_lse=False).wants_lse is False
     with pytest.raises(InvalidTypeError, match="`wants_lse`"):
         attnx.make_problem(q, k, v, wants_lse="no")
+
+
+def test_a_sparse_call_of_a_remembered_shape_is_validated():
+    """The memo key holds the tensors' layouts: a sparse q, k, v of a shape whose plain call is remembered
+    gets the full path's typed error naming `q`, not a kernel's RuntimeError."""
+    q = torch.randn(1, 2, 3, 4)
+    attnx.attention(q, q, q)
+    attnx.attention(q, q, q)  # remembered, and from now on a Run
+    sparse = q.to_sparse()
+    with pytest.raises(attnx.InvalidTypeError, match="`q`"):
+        attnx.attention(sparse, sparse, sparse)
