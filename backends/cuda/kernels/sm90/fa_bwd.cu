@@ -488,30 +488,27 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
       fence_regs(st);
       fence_regs(dpt);
       grads_any<BF16, BM>(masked, st, dpt, pa, da, lse, delta, vis, p.scale_log2, w.n0 + key_row, m0, t4);
-    } else if constexpr (SPLIT_WAIT) {  // as above, tanh's temporaries beside dP^T's in-flight accumulators
-      wgmma_fence();
-      issue_rows_by_queries<BF16, HD, BM>(st, k_rows, q_tile);
-      wgmma_commit();
-      issue_rows_by_queries<BF16, HD, BM>(dpt, v_rows, do_tile);
-      wgmma_commit();
-      wgmma_wait<1>();
-      fence_regs(st);
-      u32 dcap[BM / 4];
-      probs_modded_any<BM>(masked, st, dcap, lse, vis, mod, w.n0 + key_row, m0, t4);
-      wgmma_wait<0>();
-      fence_regs(dpt);
-      grads_from_probs<BF16, BM>(st, dpt, dcap, pa, da, delta, t4);
     } else {
+      // dP^T issued after P^T keeps tanh's temporaries away from its accumulators; SPLIT_WAIT issues it
+      // first and lets the exponentials run beside it, as above
       wgmma_fence();
       issue_rows_by_queries<BF16, HD, BM>(st, k_rows, q_tile);
       wgmma_commit();
-      wgmma_wait<0>();
+      if constexpr (SPLIT_WAIT) {
+        issue_rows_by_queries<BF16, HD, BM>(dpt, v_rows, do_tile);
+        wgmma_commit();
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
       fence_regs(st);
       u32 dcap[BM / 4];
       probs_modded_any<BM>(masked, st, dcap, lse, vis, mod, w.n0 + key_row, m0, t4);
-      wgmma_fence();
-      issue_rows_by_queries<BF16, HD, BM>(dpt, v_rows, do_tile);
-      wgmma_commit();
+      if constexpr (!SPLIT_WAIT) {
+        wgmma_fence();
+        issue_rows_by_queries<BF16, HD, BM>(dpt, v_rows, do_tile);
+        wgmma_commit();
+      }
       wgmma_wait<0>();
       fence_regs(dpt);
       grads_from_probs<BF16, BM>(st, dpt, dcap, pa, da, delta, t4);
