@@ -205,12 +205,13 @@ def test_cuda_path_nan_row_finder_agrees_with_isnan_any(dtype, transposed):
 @pytest.mark.parametrize("seqlen_k", [1, 4, 15, 16, 40])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("where", ["q", "k"])
-def test_cpu_kernel_nan_rows_are_nan_rows(seqlen_k, causal, where):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_kernel_nan_rows_are_nan_rows(seqlen_k, causal, where, dtype):
     """torch's CPU flash kernel (torch 2.13) turns a row whose scores are all NaN into a row that saw nothing
     (out 0, lse 0) below 16 keys; the torch backend gives the formula's NaN rows (out, lse, and which
     rows of each gradient hold a NaN), as `naive` does."""
     gen = torch.Generator().manual_seed(seqlen_k)
-    q, k, v = (torch.randn(2, 2, n, 8, generator=gen) for n in (3, seqlen_k, seqlen_k))
+    q, k, v = (torch.randn(2, 2, n, 8, generator=gen, dtype=dtype) for n in (3, seqlen_k, seqlen_k))
     if where == "q":
         q[0, 1, -1, 4] = float("nan")  # the last row sees keys under either alignment
     else:

@@ -127,14 +127,14 @@ def forward(p: Problem, x: Inputs):
 def backward(p: Problem, x: Inputs, out, lse, dout) -> Grads:
     q, k, v = _operands(x)
     km = kernel_mask(p, x.mask, q)
+    lse = lse.masked_fill(lse == NEG_INF, 0.0)  # what the kernel wrote for rows that see no key
+    met_nonfinite = not bool(torch.isfinite(lse).all())  # the forward's lse is NaN where q/k met a NaN
     if p.dtype == torch.float64:
         lse = _kernel_forward(p, q, k, v, km)[1]
-    else:
-        lse = lse.masked_fill(lse == NEG_INF, 0.0)  # what the kernel wrote for rows that see no key
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         _last_dim_contiguous(dout), q, k, v, _last_dim_contiguous(out), lse, 0.0, km.is_causal,
         attn_mask=km.mask, scale=p.scale)
-    if km.hides or not bool(torch.isfinite(lse).all()):  # the forward's fixed lse: NaN where q/k met NaN
+    if km.hides or met_nonfinite:
         batches = nonfinite.bad_batches(q, k)
         if batches:
             nonfinite.fix_backward(p, x, dout, (dq, dk, dv), batches)
