@@ -40,6 +40,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from packaging.version import Version
 
 from attnx.backends.cuda import compile as cuda_compile
 from attnx.backends.cuda import families, variants
@@ -265,6 +266,15 @@ _TRITON_WORKER = textwrap.dedent("""
 """)
 
 
+def triton_before_39() -> bool:
+    """Whether the installed Triton predates 3.9, whose cache treats a damaged group index as a miss."""
+    try:
+        import triton
+    except ImportError:
+        return False
+    return Version(triton.__version__).release < (3, 9)
+
+
 def _triton_variant() -> str:
     pytest.importorskip("triton")
     from attnx.backends.triton import aot
@@ -320,6 +330,8 @@ def test_triton_eight_processes_compile_at_once(triton_warm, tmp_path):
 
 
 def test_triton_corrupt_group_index_recompiles(triton_warm, tmp_path):
+    if triton_before_39():   # 3.6: JSONDecodeError (test_caches.BEFORE_39)
+        pytest.xfail("T2: Triton before 3.9 raises on a corrupt group index instead of recompiling")
     variant, warm, sha = triton_warm
     cache = _copy(warm, tmp_path)
     _entry(cache, "__grp__*.json").write_text("{not json")
