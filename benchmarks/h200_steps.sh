@@ -113,12 +113,14 @@ for step in "$@"; do
     # 8 shards at once per tool (one process under a tool is slow: memcheck and racecheck each ran past 120 s
     # alone on 2026-12-02; not quiet, so a finding is followed by its case line). SANITIZE_TOOLS picks tools,
     # SANITIZE_SECONDS caps each tool (racecheck did not finish its shards in 140 s); SANITIZE_EXTRA adds
-    # options, e.g. "--kernel-name kns=attnx_" (instrument attnx's kernels only: torch's reference kernels
-    # are most of the time) or "--show-backtrace no --print-limit 5000" (past the default 100 reports).
+    # options, e.g. "--show-backtrace no --print-limit 5000" (past the default 100 reports); not
+    # "--kernel-name kns=attnx_" (2026-12-02: racecheck then fails every case with an internal sanitizer
+    # error, and initcheck, blind to the uninstrumented torch kernels' writes, flags every read of delta
+    # and lse). SANITIZE_CASES adds conformance options, e.g. "--exclude FILE" (cases a run already cleared).
     sanitize-grid) run_step sanitize-grid 560 bash -c 'for tool in ${SANITIZE_TOOLS:-memcheck synccheck racecheck initcheck}; do
             for i in 0 1 2 3 4 5 6 7; do
                 timeout ${SANITIZE_SECONDS:-130} compute-sanitizer --tool $tool --report-api-errors no ${SANITIZE_EXTRA:-} \
-                    python3 -m attnx.conformance --backend cuda --profile full --device cuda --shard $i/8 \
+                    python3 -m attnx.conformance --backend cuda --profile full --device cuda --shard $i/8 ${SANITIZE_CASES:-} \
                     > "$0/logs/grid-$tool-$i.txt" 2>&1 &
             done; wait
             for f in "$0"/logs/grid-$tool-?.txt; do  # findings printed before each case line (a case prints when done)

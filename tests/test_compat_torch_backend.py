@@ -179,6 +179,30 @@ def test_cuda_path_marks_nan_rows_of_lse_as_the_formula_does(causal, heads_kv):
     assert torch.isnan(got).any() and not torch.isnan(got).all()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's fused CUDA kernels")
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_training_without_lse_keeps_nan_rows_as_the_formula_does(causal):
+    """A training call that does not return lse skips `nan_rows_to_lse` (the backward alone reads lse):
+    out and every gradient must still be NaN exactly where the float64 formula's are."""
+    torch.manual_seed(0)
+    shape = (2, 4, 256, 64)
+    q, k, v = (torch.randn(shape, dtype=torch.bfloat16) for _ in range(3))
+    k[1, 0, 5, 3] = float("nan")
+    q[0, 2, 7, 1] = float("nan")
+    dout = torch.randn(shape, dtype=torch.bfloat16)
+    results = []
+    for device, dtype, backend in (("cuda", torch.bfloat16, "torch"), ("cpu", torch.float64, "naive")):
+        leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+        p = attnx.explain(*leaves, causal=causal, backend=backend).problem
+        assert p.needs_grad and not p.returns_lse
+        out = attnx.attention(*leaves, causal=causal, backend=backend)
+        out.backward(dout.to(device, dtype))
+        results.append([torch.isnan(t).cpu() for t in (out, *(leaf.grad for leaf in leaves))])
+    for got, want, name in zip(*results, ("out", "dq", "dk", "dv")):
+        assert torch.equal(got, want), name
+    assert results[1][0].any() and not results[1][0].all()
+
+
 def test_nan_row_candidates_agree_on_nan_and_infinities(capsys):
     """benchmarks/nan_rows.py: cheaper ways to find NaN rows for `nan_rows_to_lse` (its amax costs 0.34 ms of a
     1.80 ms training step on the H200) must give the same rows, infinities and huge values included."""

@@ -1,4 +1,4 @@
-"""`python -m attnx.conformance`'s case selection: shards split the grid among processes."""
+"""`python -m attnx.conformance`'s case selection: shards split the grid among processes, --exclude resumes."""
 import pytest
 
 from attnx.conformance.__main__ import main
@@ -21,3 +21,13 @@ def test_bad_shard_is_a_usage_error(bad, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--backend", "naive", "--list", "--shard", bad])
     assert exit_info.value.code == 2 and "--shard" in capsys.readouterr().err
+
+
+def test_exclude_skips_the_listed_ids_and_reads_progress_lines(capsys, tmp_path):
+    """`--exclude FILE` resumes a sanitizer run: bare ids and the tool's own `[pass    ] ID (..s)` lines."""
+    everything = _listed(capsys)
+    done = tmp_path / "done.txt"
+    done.write_text(f"# cleared by racecheck\n{everything[0]}\n[pass    ] {everything[1]} (38.59s) \n\n")
+    rest = _listed(capsys, "--exclude", str(done))
+    assert rest == everything[2:]
+    assert _listed(capsys, "--exclude", str(done), "--shard", "0/2") == rest[0::2]

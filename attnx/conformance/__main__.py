@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import attnx
 
@@ -35,6 +36,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--shard", metavar="I/N", default=None, type=_shard,
                         help="only every N-th case starting at case I (0-based), so N processes split the grid "
                              "(under compute-sanitizer, which is slow per process)")
+    parser.add_argument("--exclude", metavar="FILE", default=None,
+                        help="skip the case ids FILE lists, one per line (this tool's own `[pass    ] ID` "
+                             "lines too): resume a sanitizer run over the grid where an earlier one stopped")
     parser.add_argument("--allow-extra-declines", action="store_true",
                         help="report a case declined by extra_reasons (though the declarations support it) "
                              "as declined instead of failed")
@@ -53,6 +57,18 @@ def _shard(text: str) -> tuple[int, int]:
     return index, count
 
 
+def excluded_ids(text: str) -> set:
+    """Case ids of an --exclude file: bare ids, or progress lines `[status  ] ID (1.2s) ...`."""
+    ids = set()
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("["):
+            line = line.partition("]")[2].strip()
+        if line and not line.startswith("#"):
+            ids.add(line.split()[0])
+    return ids
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     backend = attnx.get_backend(args.backend)
@@ -64,6 +80,9 @@ def main(argv=None) -> int:
     # the grid of what the backend declares on that device (the CPU's where it cannot run here)
     cases = select_cases(args.backend, args.profile, max_seqlen=args.max_seqlen, match=args.match,
                          device=None if problem else device)
+    if args.exclude:
+        done = excluded_ids(Path(args.exclude).read_text())
+        cases = [c for c in cases if c.id not in done]
     if args.shard:
         index, count = args.shard
         cases = cases[index::count]

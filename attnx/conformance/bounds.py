@@ -29,6 +29,17 @@ All errors are max abs errors against a float64 evaluation of the formula on the
   error is already an ulp or more, nothing changes.
 * Gradients in float32/float64: the out tolerance times ``max(1, max |reference gradient|)``:
   gradients (dk, dv summed over many queries, dmask) are not bounded by 1 the way ``out`` is.
+* float32 inputs, past both bounds above: the float32 rounding itself (`rounding_terms`, the
+  ``FLOAT32_ROUNDING_RULE``), whichever is largest. The naive backend's error is one draw of that
+  rounding, and another summation order may land twice as far (the H200's compiled triton, fp32,
+  2026-12-02: out 1.01e-4 at logits of ~200 where naive had < 5e-5; dk 2.2e-4 against naive's
+  6.8e-5 with one key, where ``dP - delta`` cancels). For out, the logits' rounding: a float32 dot
+  product of D terms and the scaling, ``err_s[i, j] = ROUNDING_C * sqrt(D) * u * scale * |q_i| . |k_j|
+  + 2 u |s_ij|``, amplified by the softmax, ``sum_j P[i, j] err_s[i, j] (|v_j| + |out_i|)``
+  (elementwise over Dv). On ordinary inputs (unit normal, D = 64) it is ~1e-5, below the fixed
+  1e-4; at D = 256 and scale 2.9 ~1e-3. For dq, dk, dmask and dsinks, the ``dP - delta`` allowance
+  below with the same formula (float32 products are not exact, which ``sqrt(n) u`` covers loosely).
+  Held to every backend, the naive one included (it is not circular, unlike 2 x naive's error).
 * dsinks: sinks are float32 for every input dtype, so their gradient's bound is at least 1e-6
   (times its size) also for float64 inputs.
 * lse: 1e-6 (float64 inputs; lse is float32 for them), 1e-4 (float32), 1e-3 (float16/bfloat16),
@@ -73,6 +84,8 @@ NAIVE_RULE = "2x naive"  # Result.bound_rules' label for a bound that came from 
 ROUNDING_U = 2.0 ** -24  # float32 unit roundoff: dP and delta are float32 dot products in every backend
 ROUNDING_C = 2.0  # times sqrt(n) u: the rounding of one float32 dot product of n terms, errors of random sign
 ROUNDING_QUANTITIES = ("dq", "dk", "dmask", "dsinks")  # the gradients that go through dS = P * (dP - delta)
+FLOAT32_ROUNDING_QUANTITIES = ("out", *ROUNDING_QUANTITIES)  # float32: bounded below by `rounding_terms` too
+FLOAT32_ROUNDING_RULE = "float32 rounding"  # Result.bound_rules' label for a bound that came from it
 
 
 def high_precision_tolerance(dtype: torch.dtype, backend) -> float:
@@ -117,17 +130,20 @@ def _max(t: torch.Tensor) -> float:
 
 def rounding_terms(q, k, v, dout, *, scale, softcap=None, alibi_slopes=None, mask=None, window_left=None,
                    window_right=None, offset=None, sinks=None) -> dict:
-    """The float32 rounding of ``dP - delta`` (module docstring) for one dense problem, in float64.
+    """The float32 rounding of the logits (out) and of ``dP - delta`` (gradients; module docstring) for
+    one dense problem, in float64.
 
-    ``q``, ``k``, ``v``, ``dout`` are ``(B, H, S, D)`` (GQA: fewer kv heads); the rest as
-    `attnx.reference.scores` takes them. Returns {"dq": max, "dk": max, "dS": err_dS ``(B, Hq, Sq,
-    Sk)`` (dmask: sum it to the mask's shape), "dsinks": per-head sums ``(Hq,)`` or None}; the
-    caller adds sequences' dsinks up and takes maxima. Costs about one float64 forward + backward.
+    ``q``, ``k``, ``v``, ``dout`` are ``(B, H, S, D)`` (GQA: fewer kv heads; ``dout`` None for a forward);
+    the rest as `attnx.reference.scores` takes them. Returns {"out": max, and with ``dout``: "dq": max,
+    "dk": max, "dS": err_dS ``(B, Hq, Sq, Sk)`` (dmask: sum it to the mask's shape), "dsinks": per-head
+    sums ``(Hq,)`` or None}; the caller adds sequences' dsinks up and takes maxima. Costs about one
+    float64 forward + backward.
     """
     from attnx.reference import scores
 
     f64 = torch.float64
-    q, k, v, dout = (t.detach().to(f64) for t in (q, k, v, dout))
+    q, k, v = (t.detach().to(f64) for t in (q, k, v))
+    dout = dout.detach().to(f64) if dout is not None else None
     mask = mask.detach() if mask is not None else None
     sinks = sinks.detach() if sinks is not None else None
     s = scores(q, k, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, mask=mask, window_left=window_left,
@@ -143,9 +159,17 @@ def rounding_terms(q, k, v, dout, *, scale, softcap=None, alibi_slopes=None, mas
     k_rep = k.repeat_interleave(group, dim=1) if group > 1 else k
     v_rep = v.repeat_interleave(group, dim=1) if group > 1 else v
     # NaN (a NaN-case key and the rows that see it) counts as 0: those places are compared as NaN
-    q_abs, k_abs, v_abs, dout_abs = (torch.nan_to_num(t.abs(), nan=0.0) for t in (q, k_rep, v_rep, dout))
+    q_abs, k_abs, v_abs = (torch.nan_to_num(t.abs(), nan=0.0) for t in (q, k_rep, v_rep))
     p = torch.nan_to_num(p, nan=0.0)
     out = p @ torch.nan_to_num(v_rep, nan=0.0)
+    # out: each logit's float32 rounding (its dot product, then the scaling), through the softmax
+    err_s = (ROUNDING_C * math.sqrt(q.shape[-1]) * ROUNDING_U * abs(scale) * (q_abs @ k_abs.transpose(-2, -1))
+             + 2 * ROUNDING_U * torch.nan_to_num(s.abs(), nan=0.0, posinf=0.0))
+    p_err = p * err_s
+    terms = {"out": _max(p_err @ v_abs + p_err.sum(-1, keepdim=True) * out.abs())}
+    if dout is None:
+        return terms
+    dout_abs = torch.nan_to_num(dout.abs(), nan=0.0)
     delta_abs = (dout_abs * out.abs()).sum(-1, keepdim=True)    # |dout_i| . |out_i|
     dp_abs = dout_abs @ v_abs.transpose(-2, -1)                 # |dout_i| . |v_j|
     unit = ROUNDING_C * math.sqrt(v.shape[-1]) * ROUNDING_U
@@ -158,7 +182,7 @@ def rounding_terms(q, k, v, dout, *, scale, softcap=None, alibi_slopes=None, mas
     if sinks is not None:  # d sink_h = -sum_i P_sink[i] delta_i: delta's rounding alone
         p_sink = torch.where(dead, torch.zeros_like(lse), torch.exp(with_sink[..., -1:] - lse))
         dsinks = (unit * torch.nan_to_num(p_sink, nan=0.0) * delta_abs).sum(dim=(0, 2, 3))
-    return {"dq": _max(dq), "dk": _max(dk), "dS": err_ds, "dsinks": dsinks}
+    return {**terms, "dq": _max(dq), "dk": _max(dk), "dS": err_ds, "dsinks": dsinks}
 
 
 def uses_naive_float32(name: str, dtype: torch.dtype, backend_name: str) -> bool:

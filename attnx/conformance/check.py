@@ -14,8 +14,9 @@ from attnx.autograd import sum_to_shape
 from attnx.reference import attention_reference
 
 from . import formats
-from .bounds import (LOW_PRECISION, NAIVE_RULE, ROUNDING_QUANTITIES, bound, float32_naive_bound, max_abs_error,
-                     rounding_terms, uses_naive_float32)
+from .bounds import (FLOAT32_ROUNDING_QUANTITIES, FLOAT32_ROUNDING_RULE, LOW_PRECISION, NAIVE_RULE,
+                     ROUNDING_QUANTITIES, bound, float32_naive_bound, max_abs_error, rounding_terms,
+                     uses_naive_float32)
 from .cases import Case
 from .inputs import Inputs, make_inputs
 
@@ -38,12 +39,12 @@ class Result:
     bounds: dict = field(default_factory=dict)      # quantity -> bound
     naive_low: dict = field(default_factory=dict)   # quantity -> error of the formula computed in the low dtype
     naive_acc32: dict = field(default_factory=dict)  # quantity -> error of the naive backend (float32 accumulation)
-    bound_rules: dict = field(default_factory=dict)  # quantity -> NAIVE_RULE where a float32 bound is 2 x naive's error
+    bound_rules: dict = field(default_factory=dict)  # quantity -> NAIVE_RULE or FLOAT32_ROUNDING_RULE (float32 bounds)
     magnitudes: dict = field(default_factory=dict)  # quantity -> max |finite reference value|
     scale: Optional[float] = None
     seconds: float = 0.0
-    rounding: dict = field(default_factory=dict)    # gradient -> float32 dP - delta rounding allowance (bounds.py),
-    #                                                 computed once a gradient is over its bound without it
+    rounding: dict = field(default_factory=dict)    # quantity -> float32 rounding allowance (bounds.py),
+    #                                                 computed once a quantity is over its bound without it
 
     def fail(self, message: str) -> None:
         self.status = "fail"
@@ -123,11 +124,11 @@ def _formula(case: Case, inputs: Inputs, views: dict, scale: float, compute_dtyp
 
 
 def _rounding_allowances(case: Case, inputs: Inputs, views: dict, scale: float) -> dict:
-    """{gradient: its `rounding_terms` allowance (bounds.py)} from the float64 views, for ROUNDING_QUANTITIES
-    that the case has; {} for float64 cases and cases without gradients."""
-    if not case.grad or case.torch_dtype == torch.float64:
+    """{quantity: its `rounding_terms` allowance (bounds.py)} from the float64 views: out, and the
+    ROUNDING_QUANTITIES that the case has when it has gradients; {} for float64 cases."""
+    if case.torch_dtype == torch.float64:
         return {}
-    dout = inputs.dout.detach()
+    dout = inputs.dout.detach() if case.grad else None
     kw = dict(softcap=case.softcap, sinks=views.get("sinks"))
     left, right = case.window if case.window is not None else (None, None)
     if case.causal:
@@ -138,14 +139,19 @@ def _rounding_allowances(case: Case, inputs: Inputs, views: dict, scale: float) 
         parts = [rounding_terms(q, k, v, _to_bhsd(case, dout), scale=scale, alibi_slopes=inputs.alibi_slopes,
                                 mask=views.get("mask"), **kw)]
     else:
-        douts = formats.unpack(case, inputs.packing, {"q": dout, "k": views["k"], "v": views["v"]})
+        sequences = formats.unpack(case, inputs.packing, views)
+        douts = ([d[0] for d in formats.unpack(case, inputs.packing, {"q": dout, "k": views["k"], "v": views["v"]})]
+                 if dout is not None else [None] * len(sequences))
         parts = []
-        for b, (q, k, v) in enumerate(formats.unpack(case, inputs.packing, views)):
+        for b, (q, k, v) in enumerate(sequences):
             alibi = inputs.alibi_slopes
             if alibi is not None and alibi.dim() == 2:
                 alibi = alibi[b:b + 1]
-            parts.append(rounding_terms(q, k, v, douts[b][0], scale=scale, alibi_slopes=alibi, **kw))
-    terms = {"dq": max((t["dq"] for t in parts), default=0.0), "dk": max((t["dk"] for t in parts), default=0.0)}
+            parts.append(rounding_terms(q, k, v, douts[b], scale=scale, alibi_slopes=alibi, **kw))
+    terms = {"out": max((t["out"] for t in parts), default=0.0)}
+    if dout is None:
+        return terms
+    terms.update(dq=max((t["dq"] for t in parts), default=0.0), dk=max((t["dk"] for t in parts), default=0.0))
     if case.mask_grad and "mask" in views:
         mask = views["mask"]
         err = parts[0]["dS"]
@@ -155,7 +161,7 @@ def _rounding_allowances(case: Case, inputs: Inputs, views: dict, scale: float) 
     if case.sinks:
         sums = [t["dsinks"] for t in parts if t["dsinks"] is not None]
         terms["dsinks"] = float(torch.stack(sums).sum(0).max()) if sums and sums[0].numel() else 0.0
-    return {n: t for n, t in terms.items() if n in ROUNDING_QUANTITIES}
+    return {n: t for n, t in terms.items() if n in FLOAT32_ROUNDING_QUANTITIES}
 
 
 def _errors(out, grads: dict, ref_out, ref_grads: dict) -> dict:
@@ -316,6 +322,13 @@ def _run(result: Result, backend_name: str, case: Case, device, allow_extra_decl
             fixed, b = b, float32_naive_bound(b, naive32.get(name))
             if b > fixed:
                 result.bound_rules[name] = NAIVE_RULE
+        if not err <= b and math.isfinite(err) and case.torch_dtype == torch.float32 \
+                and name in FLOAT32_ROUNDING_QUANTITIES:
+            if rounding is None:
+                rounding = result.rounding = _rounding_allowances(case, inputs, views64, p.scale)
+            if rounding.get(name, 0.0) > b:
+                b = rounding[name]
+                result.bound_rules[name] = FLOAT32_ROUNDING_RULE
         result.bounds[name] = b
         if not err <= b:
             result.fail(f"{name} error {err:.3g} > bound {b:.3g}")

@@ -57,7 +57,7 @@ def markdown(results: list[Result], meta: dict) -> str:
     for r in results:
         cells = []
         for name in ("out", "lse", "dq", "dk", "dv", "dmask"):
-            rule = f" ({r.bound_rules[name]})" if name in r.bound_rules else ""  # float32: 2 x naive's error
+            rule = f" ({r.bound_rules[name]})" if name in r.bound_rules else ""  # float32: 2 x naive's error or its rounding
             cells.append(f"{_fmt(r.errors[name])} / {_fmt(r.bounds[name])}{rule}" if name in r.errors else "")
         status = r.status if r.status != "declined" else "declined: " + "; ".join(r.reasons)
         lines.append(f"| `{r.case.id}` | {status} | " + " | ".join(cells) + f" | {r.seconds:.2f} |")
