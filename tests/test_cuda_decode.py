@@ -74,6 +74,13 @@ def test_splits_heuristic_edges(programs, slots, capacity, want):
     assert launch_decode.num_splits(programs, slots, capacity, 64) == want
 
 
+@pytest.mark.parametrize("programs,want", [(8, 33), (64, 4), (16, 16), (100, 5)])
+def test_splits_fill_one_wave_when_they_can(programs, want):
+    """B = 1 (8 programs, 264 slots): 33 splits, one full wave (1-4 % faster than 29 on the H200); B = 8:
+    4 (256 of 264); 100 programs cannot fill one wave to 95 %: the 85 % rule's 5."""
+    assert launch_decode.num_splits(programs, 264, 131072, 64) == want
+
+
 def test_splits_cover_the_capacity():
     for programs in (1, 4, 16, 64, 200):
         for capacity in (1, 255, 256, 4097, 131072):
