@@ -80,9 +80,6 @@ class Problem(NamedTuple):
     # whether the caller uses lse (return_lse, or a backward): False lets a backend skip computing it
     # (its forward may then return None for lse); True by default, always with gradients
     wants_lse: bool = True
-    # whether lse reaches the caller (return_lse), not only the backward: a backend whose kernel's lse
-    # needs a fix-up to meet the contract (torch's fused kernels' NaN rows) may skip it otherwise
-    returns_lse: bool = True
 
     @classmethod
     def create(cls, *, dtype: torch.dtype, batch: int, heads_q: int, seqlen_q: int, head_dim: int,
@@ -140,7 +137,7 @@ class Problem(NamedTuple):
                    mask_requires_grad=bool(mask_requires_grad and needs_grad), has_alibi=bool(alibi),
                    has_sinks=bool(sinks), softcap=softcap, scale=scale, needs_grad=bool(needs_grad),
                    deterministic=bool(deterministic and needs_grad), q_format=q_format, kv_format=kv_format,
-                   page_size=page_size, wants_lse=bool(wants_lse or needs_grad), returns_lse=bool(wants_lse))
+                   page_size=page_size, wants_lse=bool(wants_lse or needs_grad))
 
     @property
     def capability(self) -> Optional[tuple[int, int]]:
