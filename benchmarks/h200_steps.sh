@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-sweep decode-splits varlen-cuda reliability splitwait replay recheck
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-sweep decode-splits varlen-cuda reliability splitwait replay recheck nan-fixup
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -37,6 +37,8 @@ for step in "$@"; do
     recheck) run_step recheck 120 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_compat_torch_backend.py \
                tests/test_call_memo.py tests/test_bounds.py tests/test_caches.py::test_triton_damaged_cache_entry \
                tests/test_reliability_cache.py::test_triton_corrupt_group_index_recompiles ;;
+    # the torch backend's NaN-row lse fix-up: cheaper ways checked equal, then 1k training steps with each
+    nan-fixup) run_step nan-fixup 120 python3 -m benchmarks.nan_fixup time ;;
     # the fuzz regression records on the GPU backends (CI replays naive, blocked and the triton interpreter):
     # "fixed" records must pass, "known"/"open" ones fail as recorded (`tests/test_fuzz.py` `_expect`)
     replay) run_step replay 150 bash -c 'for b in cuda triton; do

@@ -3,6 +3,10 @@ and the CUDA launch code checked on meta tensors (no GPU here; conformance cover
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +17,8 @@ from attnx.problem import Problem, make_call
 from attnx.reference import attention_reference
 
 from attnx.backends.torch import cuda as torch_cuda
+
+ROOT = Path(__file__).resolve().parent.parent
 
 BACKEND = attnx.get_backend("torch")
 
@@ -210,6 +216,17 @@ def test_cuda_training_keeps_nan_rows_as_the_formula_does(causal):
         required = want & seen[..., None]
         assert (got | ~required).all(), f"{name}: finite at a key a NaN row sees"
         assert (want | ~got).all(), f"{name}: NaN where the formula is finite"
+
+
+def test_nan_fixup_candidates_give_todays_lse():
+    """benchmarks/nan_fixup.py: cheaper whole fix-ups (fewer launches; two Triton kernels, run here by
+    Triton's interpreter) must mark exactly the rows `nan_rows_to_lse` marks: GQA, causal, NaN in q and
+    in keys at any position, infinities; bf16 and float32."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.nan_fixup", "check"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "every way gives today's lse" in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
 
 def test_nan_row_candidates_agree_on_nan_and_infinities(capsys):

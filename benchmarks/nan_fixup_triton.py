@@ -1,0 +1,91 @@
+"""The torch backend's NaN-row lse fix-up as two Triton launches (a candidate; benchmarks/nan_fixup.py).
+
+`backends/torch/cuda.py` `nan_rows_to_lse` marks lse NaN in every row that sees a NaN in its q row or in
+a visible key (torch's fused kernels leave those rows' lse finite), with about a dozen torch ops: on the
+H200 (2026-12-02 run 4) that fix-up was the gap between a 1k-token training step through attnx and the
+same step through SDPA-cuDNN (2.05 / 1.75 / 2.10 ms against 1.43 / 1.19 / 0.93; 1.60 / 1.31 / 1.09
+with it skipped), mostly host time. Here the same marking takes two launches:
+
+1. `_first_nan_key`: per (batch, kv head) and chunk of keys, the first key index holding a NaN (Sk if
+   none), written to a small (B * Hkv, chunks) int32 table;
+2. `_mark_lse`: per (batch, q head) and block of rows, whether the q row holds a NaN, then the first
+   NaN key of its kv head (min over the chunks): seen under causal when it is <= the row (Sq == Sk,
+   the only causal problems this path takes), else when there is one at all; lse is written NaN in
+   place where either holds.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64
+BLOCK_M = 64
+MAX_CHUNKS = 64  # key chunks per (batch, kv head): the second kernel reads them as one vector
+
+
+@triton.jit
+def _first_nan_key(k_ptr, first_ptr, heads_kv, seqlen_k, head_dim, chunk, chunks,
+                   stride_b, stride_h, stride_s, stride_d,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    bh = tl.program_id(0)
+    c = tl.program_id(1)
+    base = k_ptr + (bh // heads_kv).to(tl.int64) * stride_b + (bh % heads_kv).to(tl.int64) * stride_h
+    cols = tl.arange(0, BLOCK_D)
+    first = seqlen_k
+    start = c * chunk
+    end = tl.minimum(start + chunk, seqlen_k)
+    for block in range(start, end, BLOCK_N):
+        rows = block + tl.arange(0, BLOCK_N)
+        inside = (rows[:, None] < end) & (cols[None, :] < head_dim)
+        x = tl.load(base + rows[:, None].to(tl.int64) * stride_s + cols[None, :] * stride_d, mask=inside, other=0.0)
+        x = x.to(tl.float32)  # (Triton's CPU interpreter compares 16-bit floats as raw bits)
+        bad = tl.max((x != x).to(tl.int32), axis=1)
+        first = tl.minimum(first, tl.min(tl.where(bad > 0, rows, seqlen_k), axis=0))
+    tl.store(first_ptr + bh * chunks + c, first)
+
+
+@triton.jit
+def _mark_lse(q_ptr, first_ptr, lse_ptr, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, chunks,
+              stride_b, stride_h, stride_s, stride_d,
+              CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, CHUNKS: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads_q
+    h = bh % heads_q
+    group = heads_q // heads_kv
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    base = q_ptr + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+    inside = (rows[:, None] < seqlen_q) & (cols[None, :] < head_dim)
+    x = tl.load(base + rows[:, None].to(tl.int64) * stride_s + cols[None, :] * stride_d, mask=inside, other=0.0)
+    x = x.to(tl.float32)
+    q_bad = tl.max((x != x).to(tl.int32), axis=1) > 0
+    part = tl.arange(0, CHUNKS)
+    firsts = tl.load(first_ptr + (b * heads_kv + h // group) * chunks + part, mask=part < chunks, other=seqlen_k)
+    first = tl.min(firsts, axis=0)
+    if CAUSAL:
+        seen = rows >= first
+    else:
+        seen = (rows * 0 + first) < seqlen_k
+    nan = tl.full([BLOCK_M], float("nan"), tl.float32)
+    tl.store(lse_ptr + bh.to(tl.int64) * seqlen_q + rows, nan, mask=(rows < seqlen_q) & (q_bad | seen))
+
+
+def nan_rows_to_lse(causal: bool, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """`lse` (float32, contiguous (B, Hq, Sq)) with NaN, in place, in every row whose q row holds a NaN or
+    that sees a key holding one (all keys; keys 0..i under causal with Sq == Sk). q, k: (B, H, S, D)."""
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    if lse.numel() == 0:
+        return lse
+    chunk = max(BLOCK_N, triton.cdiv(triton.cdiv(max(seqlen_k, 1), MAX_CHUNKS), BLOCK_N) * BLOCK_N)
+    chunks = max(1, triton.cdiv(seqlen_k, chunk))
+    first = torch.empty(batch * heads_kv * chunks, dtype=torch.int32, device=q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    _first_nan_key[(batch * heads_kv, chunks)](k, first, heads_kv, seqlen_k, head_dim, chunk, chunks, *k.stride(),
+                                               BLOCK_N=BLOCK_N, BLOCK_D=block_d)
+    grid = (triton.cdiv(seqlen_q, BLOCK_M), batch * heads_q)
+    _mark_lse[grid](q, first, lse, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, chunks, *q.stride(),
+                    CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_D=block_d, CHUNKS=triton.next_power_of_2(chunks))
+    return lse
