@@ -279,3 +279,34 @@ def test_cpu_kernel_nan_rows_are_nan_rows(seqlen_k, causal, where, dtype):
                            torch.isnan(b).any(-1) if b.dim() == 4 else torch.isnan(b))
     finite = torch.isfinite(want[0])
     assert torch.allclose(got[0][finite], want[0][finite], atol=1e-5)
+
+
+@pytest.mark.parametrize("seqlen", [1, 5, 40])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scale", [None, 0.3])
+@pytest.mark.parametrize("nan", [None, "q", "k"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_plain_path_backward_matches_the_formula(seqlen, causal, scale, nan, dtype):
+    """The CPU kernel's short path (full attention, or causal with Sq == Sk; `cpu._plain`), forward and
+    backward, against `naive`: values where finite, NaN exactly where the formula's rows are NaN (a NaN
+    in q or in a key; lse read with one sum), GQA included, default and explicit scale."""
+    gen = torch.Generator().manual_seed(seqlen)
+    q = torch.randn(2, 4, seqlen, 8, generator=gen, dtype=dtype)
+    k, v = (torch.randn(2, 2, seqlen, 8, generator=gen, dtype=dtype) for _ in range(2))
+    if nan == "q":
+        q[0, 1, seqlen - 1, 4] = float("nan")
+    elif nan == "k":
+        k[1, 0, 0, 4] = float("nan")
+    p = attnx.explain(q, k, v, causal=causal, scale=scale).problem
+    assert p.window_left is None and attnx.backends.torch.cpu._plain(p, Inputs(q, k, v))
+    results = {}
+    for backend in ("torch", "naive"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = attnx.attention(*leaves, causal=causal, scale=scale, backend=backend, return_lse=True)
+        out.backward(torch.ones_like(out))
+        results[backend] = (out.detach(), lse, *(t.grad for t in leaves))
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    for got, want, name in zip(results["torch"], results["naive"], ("out", "lse", "dq", "dk", "dv")):
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), name
+        finite = ~torch.isnan(want)
+        assert torch.allclose(got[finite], want[finite], atol=tol, rtol=tol), name

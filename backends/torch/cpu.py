@@ -88,20 +88,30 @@ def _fix_nonfinite(p: Problem, x: Inputs, q, k, out, lse) -> None:
         nonfinite.fix_forward(p, x, out, lse, batches)
 
 
+def _plain(p: Problem, x: Inputs) -> bool:
+    """Full attention, or causal with Sq == Sk and no offset: the kernel's own `is_causal` (or nothing)
+    says it, no mask is built and every row sees a key."""
+    right = p.window_right
+    return x.mask is None and p.window_left is None and (
+        right is None or (right == 0 and p.seqlen_q == p.seqlen_k and not p.offset))
+
+
+def _default_scale(p: Problem) -> bool:
+    return p.head_dim < 1025 and p.scale == _DEFAULT_SCALES[p.head_dim]
+
+
 def forward(p: Problem, x: Inputs):
     q, k, v = x.q, x.k, x.v
     # Every line here runs on every call, right after the previous kernel left the caches cold, where each
     # torch binding call costs µs (benchmarks/results/cpu-2026-12-01-overhead4): `stride()` over `stride(-1)`.
     if q.stride()[-1] != 1 or k.stride()[-1] != 1 or v.stride()[-1] != 1:
         q, k, v = _operands(x)
-    right = p.window_right
-    if x.mask is None and p.window_left is None and (right is None or (right == 0 and p.seqlen_q == p.seqlen_k
-                                                                       and not p.offset)):
+    if _plain(p, x):
         # full attention or causal with Sq == Sk (top-left and bottom-right agree): no mask to build,
         # every row sees a key, no -inf that could hide a NaN (`kernel_mask` gives the same). Positional
         # arguments where the scale is the kernel's default: its keyword parsing costs ~5 µs there.
-        is_causal = right is not None
-        if p.head_dim < 1025 and p.scale == _DEFAULT_SCALES[p.head_dim]:
+        is_causal = p.window_right is not None
+        if _default_scale(p):
             out_k, lse = _flash_cpu()(q, k, v, 0.0, is_causal)
         else:
             out_k, lse = _flash_cpu()(q, k, v, 0.0, is_causal, scale=p.scale)
@@ -125,6 +135,8 @@ def forward(p: Problem, x: Inputs):
 
 
 def backward(p: Problem, x: Inputs, out, lse, dout) -> Grads:
+    if _plain(p, x):
+        return _plain_backward(p, x, out, lse, dout)
     q, k, v = _operands(x)
     km = kernel_mask(p, x.mask, q)
     lse = lse.masked_fill(lse == NEG_INF, 0.0)  # what the kernel wrote for rows that see no key
@@ -135,6 +147,28 @@ def backward(p: Problem, x: Inputs, out, lse, dout) -> Grads:
         _last_dim_contiguous(dout), q, k, v, _last_dim_contiguous(out), lse, 0.0, km.is_causal,
         attn_mask=km.mask, scale=p.scale)
     if km.hides or met_nonfinite:
+        batches = nonfinite.bad_batches(q, k)
+        if batches:
+            nonfinite.fix_backward(p, x, dout, (dq, dk, dv), batches)
+    return Grads(dq, dk, dv)
+
+
+def _plain_backward(p: Problem, x: Inputs, out, lse, dout) -> Grads:
+    """`backward` where `_plain` holds, in fewer torch calls (each costs µs on cold caches: a 1k-token
+    training step is host-bound): no row is dead, so lse holds no -inf to map; one sum tells whether
+    it holds a NaN or an infinity (the forward's mark of non-finite q/k; a sum that overflows costs
+    only the exact check of q and k); the scale is passed only when it is not the kernel's default."""
+    q, k, v = _operands(x)
+    is_causal = p.window_right is not None
+    met_nonfinite = not math.isfinite(float(lse.sum()))
+    if p.dtype is _FLOAT64:
+        lse = _flash_cpu()(q, k, v, 0.0, is_causal, scale=p.scale)[1]
+    args = (_last_dim_contiguous(dout), q, k, v, _last_dim_contiguous(out), lse, 0.0, is_causal)
+    if _default_scale(p):
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*args)
+    else:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, scale=p.scale)
+    if met_nonfinite:
         batches = nonfinite.bad_batches(q, k)
         if batches:
             nonfinite.fix_backward(p, x, dout, (dq, dk, dv), batches)
