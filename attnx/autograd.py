@@ -85,14 +85,16 @@ def run_backward(p: Problem, backend, x: Inputs, out, lse, dout) -> Grads:
 
 
 class _AttentionFunction(torch.autograd.Function):
-    """``apply(p, backend, *Inputs fields)`` -> ``(out, lse)``; gradients for `Inputs.DIFFERENTIABLE`."""
+    """``apply(p, backend, names, *tensors)`` -> ``(out, lse)``: `tensors` are the `Inputs` fields `names`
+    (those that are not None: autograd unwraps every argument of every call, so the absent ones are
+    left out); gradients for `Inputs.DIFFERENTIABLE`."""
 
     @staticmethod
-    def forward(ctx, p, backend, *tensors):
-        x = Inputs.from_tuple(tensors)
+    def forward(ctx, p, backend, names, *tensors):
+        x = Inputs(**dict(zip(names, tensors)))
         out, lse = run_forward(p, backend, x)
         ctx.save_for_backward(*tensors, out, lse)
-        ctx.problem, ctx.backend = p, backend
+        ctx.problem, ctx.backend, ctx.names = p, backend, names
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -100,17 +102,19 @@ class _AttentionFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         *tensors, out, lse = ctx.saved_tensors
-        x = Inputs.from_tuple(tensors)
-        grads = run_backward(ctx.problem, ctx.backend, x, out, lse, dout)
-        return (None, None) + tuple(
-            grads.of(name) if name in Inputs.DIFFERENTIABLE and ctx.needs_input_grad[2 + i] else None
-            for i, name in enumerate(Inputs.field_names()))
+        names = ctx.names
+        grads = run_backward(ctx.problem, ctx.backend, Inputs(**dict(zip(names, tensors))), out, lse, dout)
+        wanted = ctx.needs_input_grad
+        return (None, None, None) + tuple(
+            grads.of(name) if wanted[3 + i] and name in Inputs.DIFFERENTIABLE else None
+            for i, name in enumerate(names))
 
 
 def run(p: Problem, backend, x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Run `backend` on the caller's tensors, through autograd when `p` needs gradients."""
     if p.needs_grad:
-        return _AttentionFunction.apply(p, backend, *x.as_tuple())
+        names = x.present()
+        return _AttentionFunction.apply(p, backend, names, *(getattr(x, name) for name in names))
     if p.layout == "bhsd" and x.mask is None and x.alibi_slopes is None:
         return backend.forward(p, x)  # `backend_view` and `_caller_out` are the identity here
     return run_forward(p, backend, x)

@@ -53,6 +53,10 @@ class Inputs:
     def as_tuple(self) -> tuple:
         return tuple(getattr(self, n) for n in self.field_names())
 
+    def present(self) -> tuple[str, ...]:
+        """The names of the fields that are not None, in field order."""
+        return tuple(n for n in _INPUT_FIELDS if getattr(self, n) is not None)
+
     @classmethod
     def from_tuple(cls, values) -> "Inputs":
         return cls(*values)
