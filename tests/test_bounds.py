@@ -293,6 +293,7 @@ FORMATS = [Case("bounds", "float16", 3, 4, 2, 9, 12, 16, 16, sinks=True, q_forma
            Case("bounds", "bfloat16", 3, 2, 2, 9, 12, 16, 8, causal=True, kv_format="cache", layout="bshd"),
            Case("bounds", "float32", 2, 2, 2, 9, 12, 16, 16, mask="additive", mask_shape="keys", mask_grad=True),
            Case("bounds", "float32", 2, 2, 2, 9, 12, 16, 16, grad=False),
+           Case("bounds", "float32", 2, 2, 2, 9, 12, 16, 16, grad=False, layout="bshd"),
            Case("bounds", "float64", 2, 2, 2, 9, 12, 16, 16)]
 
 

@@ -136,8 +136,9 @@ def _rounding_allowances(case: Case, inputs: Inputs, views: dict, scale: float) 
     kw.update(window_left=left, window_right=right, offset=case.offset)
     if inputs.packing is None:
         q, k, v = (_to_bhsd(case, views[n]) for n in ("q", "k", "v"))
-        parts = [rounding_terms(q, k, v, _to_bhsd(case, dout), scale=scale, alibi_slopes=inputs.alibi_slopes,
-                                mask=views.get("mask"), **kw)]
+        dout = _to_bhsd(case, dout) if dout is not None else None
+        parts = [rounding_terms(q, k, v, dout, scale=scale, alibi_slopes=inputs.alibi_slopes, mask=views.get("mask"),
+                                **kw)]
     else:
         sequences = formats.unpack(case, inputs.packing, views)
         douts = ([d[0] for d in formats.unpack(case, inputs.packing, {"q": dout, "k": views["k"], "v": views["v"]})]
