@@ -80,6 +80,64 @@ def _check_storage(k, v) -> None:
                                    f"{tuple(v.shape)}")
 
 
+def _check_disjoint(k, v) -> None:
+    """`k` and `v` share no memory location (appends write both)."""
+    if _share_memory(k, v):
+        raise InvalidArgumentError("`v` must not share memory with `k` (the same tensor, or overlapping views "
+                                   "of one buffer): appends would write values over keys; pass separate "
+                                   "tensors (disjoint views of one buffer, such as kv[:, :, 0] and kv[:, :, 1], "
+                                   "are fine)")
+
+
+def _share_memory(k: torch.Tensor, v: torch.Tensor, budget: int = 10_000) -> bool:
+    """Whether an element of ``k`` and an element of ``v`` are one memory location (same dtype).
+
+    Exact: solves ``sum_d c_d * stride_d = offset(v) - offset(k)`` over the coefficient ranges of both
+    tensors' dims (dims of equal stride merged), a few steps for real layouts. Interleaved views of one
+    buffer (a packed ``kv``) do not overlap and pass. A search that would take more than ``budget`` steps
+    (pathological strides) reports no overlap: the check never raises a false alarm.
+    """
+    if not k.numel() or not v.numel() or k.device != v.device or k.is_meta:
+        return False
+    if k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
+        return False
+    size = k.element_size()
+    gap = v.data_ptr() - k.data_ptr()
+    if gap % size:  # misaligned views of one buffer: compare the byte ranges
+        ends = [t.data_ptr() + size * (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) for t in (k, v)]
+        return k.data_ptr() < ends[1] and v.data_ptr() < ends[0]
+    ranges: dict[int, tuple[int, int]] = {}  # stride -> (lowest, highest) coefficient
+    for t, sign in ((k, 1), (v, -1)):
+        for n, stride in zip(t.shape, t.stride()):
+            if n > 1 and stride:
+                low, high = ranges.get(stride, (0, 0))
+                ranges[stride] = (low, high + n - 1) if sign > 0 else (low - (n - 1), high)
+    terms = sorted(ranges.items(), reverse=True)
+    reach = [(0, 0)] * (len(terms) + 1)  # what the terms from i on can add up to
+    for i in range(len(terms) - 1, -1, -1):
+        stride, (low, high) = terms[i]
+        reach[i] = (reach[i + 1][0] + low * stride, reach[i + 1][1] + high * stride)
+    steps = [budget]
+
+    def solve(i: int, rest: int) -> bool:
+        if i == len(terms):
+            return rest == 0
+        stride, (low, high) = terms[i]
+        inner_low, inner_high = reach[i + 1]
+        for c in range(max(low, -((inner_high - rest) // stride)), min(high, (rest - inner_low) // stride) + 1):
+            steps[0] -= 1
+            if steps[0] < 0:
+                raise OverflowError
+            if solve(i + 1, rest - c * stride):
+                return True
+        return False
+
+    try:
+        return solve(0, gap // size)
+    except OverflowError:
+        return False
+
+
 def _check_page_table(page_table, num_pages: int, device) -> None:
     if not isinstance(page_table, torch.Tensor):
         raise InvalidTypeError(f"`page_table` must be a torch.Tensor, got {type(page_table).__name__}")
@@ -90,6 +148,8 @@ def _check_page_table(page_table, num_pages: int, device) -> None:
         raise InvalidArgumentError(f"`page_table` must be 2-D (B, max_pages), got shape {tuple(page_table.shape)}")
     if page_table.device != device:
         raise InvalidArgumentError(f"`page_table` must be on the pools' device {device}, got {page_table.device}")
+    if page_table.is_meta:
+        raise InvalidArgumentError("`page_table` must hold values (it is read once on the host), got a meta tensor")
     if page_table.numel() and (int(page_table.min()) < 0 or int(page_table.max()) >= num_pages):  # one sync
         raise InvalidArgumentError(f"`page_table` must name pages in [0, {num_pages}), got values in "
                                    f"[{int(page_table.min())}, {int(page_table.max())}]")
@@ -101,6 +161,19 @@ def _check_packed_q(q, counts: list[int]) -> None:
     if isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[0] != sum(counts):
         raise InvalidArgumentError(f"`q` must hold the {sum(counts)} packed rows `cu_seqlens` describes (as "
                                    f"`k`/`v` do), got {q.shape[0]}")
+
+
+def _check_max_seqlen_q(given, counts: list[int]) -> None:
+    """A ``max_seqlen_q`` passed with packed new tokens covers them (the counts are on the host already):
+    a smaller one makes kernels that size their grid from it (`triton`) skip queries without an error."""
+    try:
+        given = None if isinstance(given, bool) else operator.index(given)
+    except TypeError:
+        given = None  # not an int: `attention`'s own check names it
+    if given is not None and 0 <= given < max(counts, default=0):
+        b = counts.index(max(counts))
+        raise InvalidArgumentError(f"`max_seqlen_q` = {given} is less than the {counts[b]} new tokens `cu_seqlens` "
+                                   f"brings to sequence {b}: kernels size their grid from it")
 
 
 class KVCache:
@@ -145,6 +218,7 @@ class KVCache:
         self._pager = None
         if lengths is not None:
             self.set_lengths(lengths)
+        _check_disjoint(k, v)  # last (the other checks name their argument first); nothing is written before
 
     @classmethod
     def allocate(cls, batch: int, capacity: int, heads_kv: int, head_dim: int, *, head_dim_v: Optional[int] = None,
@@ -268,6 +342,17 @@ class KVCache:
         return self.k[page, pos % self.page_size].transpose(0, 1), self.v[page, pos % self.page_size].transpose(0, 1)
 
     # ---- changing it ---------------------------------------------------------------------
+    def _check_writable(self, method: str) -> None:
+        """The cache's tensors can be updated in place here (checked before any change, host or device)."""
+        if torch.is_inference_mode_enabled():
+            return
+        tensors = (self.k, self.v, self._lengths) + ((self.page_table,) if self._pager is not None else ())
+        if any(t.is_inference() for t in tensors):
+            raise InvalidArgumentError(f"`{method}` outside torch.inference_mode() on a cache whose tensors were made "
+                                       "inside it: torch refuses in-place updates of inference tensors outside "
+                                       "inference mode; call it inside `torch.inference_mode()` (or build the "
+                                       "cache outside it)")
+
     def set_lengths(self, lengths) -> None:
         """Set every sequence's length (e.g. to drop rejected speculative tokens): a list of ints or an
         int32 ``(B,)`` tensor (read once: a device sync on a GPU). Kept keys are not touched."""
@@ -287,6 +372,7 @@ class KVCache:
         if len(values) != self.batch or any(n < 0 or n > self.capacity for n in values):
             raise InvalidArgumentError(f"`lengths` must be {self.batch} values in [0, {self.capacity}] (the "
                                        f"capacity), got {values}")
+        self._check_writable("set_lengths")
         if self._pager is not None:
             missing = self._pager.shortfall(values)
             if missing:
@@ -300,13 +386,15 @@ class KVCache:
     def reset(self, index: Optional[int] = None) -> None:
         """Empty every sequence (``index=None``) or sequence ``index`` (its pages go back to a shared pool).
         No host sync."""
+        if index is not None:
+            index = _count("index", index, 0)
+            if index >= self.batch:
+                raise InvalidArgumentError(f"`index` must be < {self.batch} (the batch), got {index}")
+        self._check_writable("reset")
         if index is None:
             self._lengths.zero_()
             self._host = [0] * self.batch
         else:
-            index = _count("index", index, 0)
-            if index >= self.batch:
-                raise InvalidArgumentError(f"`index` must be < {self.batch} (the batch), got {index}")
             self._lengths[index] = 0
             self._host[index] = 0
         if self._pager is not None:
@@ -332,9 +420,10 @@ class KVCache:
         counts = self._new_tokens(k, v, layout, cu_seqlens)
         self._commit(k, v, layout, cu_seqlens, counts)
 
-    def _new_tokens(self, k, v, layout, cu_seqlens) -> list[int]:
+    def _new_tokens(self, k, v, layout, cu_seqlens, method: Optional[str] = None) -> list[int]:
         """Tokens each sequence gains (every check, a shared pool's free pages included, before any write)."""
         counts = new_tokens(self, k, v, layout, cu_seqlens)
+        self._check_writable("append" if method is None else method)
         if self._pager is not None:
             missing = self._pager.shortfall([n + c for n, c in zip(self._host, counts)])
             if missing:
@@ -385,11 +474,12 @@ class KVCache:
         if (k is None) != (v is None):
             raise InvalidArgumentError("give both `k` and `v` (new tokens to append), or neither")
         if k is not None:
-            counts = self._new_tokens(k, v, layout, cu_seqlens)
+            counts = self._new_tokens(k, v, layout, cu_seqlens, "attend")
             if cu_seqlens is not None and "max_seqlen_q" not in call:
                 call["max_seqlen_q"] = max(counts, default=0)
             if cu_seqlens is not None:
                 _check_packed_q(q, counts)
+                _check_max_seqlen_q(call["max_seqlen_q"], counts)
             check_return_lse(return_lse)
             check_backend(backend)
             # q, every option and the backend checked before the write: a backend that declines the
@@ -463,7 +553,7 @@ class CachePlan:
                 raise InvalidArgumentError(f"`cu_seqlens` holds more queries per sequence than the planned "
                                            f"max_seqlen_q = {self._max_q}")
             return self.plan.run(q, **self.cache.inputs(self._layout), **tensors)
-        counts = self.cache._new_tokens(k, v, self._layout, cu_seqlens)
+        counts = self.cache._new_tokens(k, v, self._layout, cu_seqlens, "CachePlan.run")
         if self._packed:
             if max(counts, default=0) > self._max_q:
                 raise InvalidArgumentError(f"`cu_seqlens` brings {max(counts)} tokens to one sequence, more than "

@@ -26,7 +26,9 @@ def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], *, layout:
     ``outs[i]``/``lses[i]`` are what `attnx.attention(..., return_lse=True)` returned for
     the same queries against the i-th key set. Returns ``(out, lse)``: ``lse`` is the
     log-sum-exp of the parts, and ``out`` their average weighted by ``exp(lse_i - lse)``;
-    a row no part saw gives ``out = 0``, ``lse = -inf``. Differentiable in every input.
+    a row no part saw gives ``out = 0``, ``lse = -inf``, and a part's row with ``lse = -inf`` adds
+    nothing whatever its ``out`` holds (NaN or garbage in an unwritten workspace); a NaN ``lse``
+    propagates. Differentiable in every input.
     ``layout`` is the outs' layout: ``"bhsd"``, ``"bshd"`` or ``"varlen"`` (``(T, H, Dv)``
     with lse ``(H, T)``). Used by split-KV decoding, ring attention and shared prefixes.
 
@@ -45,10 +47,16 @@ def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], *, layout:
     seen = total != 0  # NaN counts as seen, so it propagates
     lse = torch.where(seen, top + torch.log(torch.where(seen, total, torch.ones_like(total))),
                       torch.full_like(total, float("-inf")))
-    shift = torch.where(seen, lse, torch.zeros_like(lse))
+    # weights exp(l - top) / total, not exp(l - lse): l - top is exact where parts' lses are close, while
+    # lse = top + log(total) rounds to lse's ulp (about 1e-3 at lse = 1e4 in float32)
+    total = torch.where(seen, total, torch.ones_like(total))
     out = None
     for o, l in zip(outs, lses):
-        term = _lse_as_out(torch.exp(l.to(acc) - shift), layout) * o.to(acc)
+        l = l.to(acc)
+        term = _lse_as_out(torch.exp(l - top) / total, layout) * o.to(acc)
+        # a part's row with lse = -inf saw no key: it adds nothing, whatever its out holds (an unwritten
+        # split-KV workspace, NaN or inf), instead of 0 * NaN = NaN
+        term = torch.where(_lse_as_out(l == float("-inf"), layout), torch.zeros((), dtype=acc, device=o.device), term)
         out = term if out is None else out + term
     return out.to(outs[0].dtype), lse
 

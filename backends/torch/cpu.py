@@ -154,8 +154,8 @@ def backward(p: Problem, x: Inputs, out, lse, dout) -> Grads:
 
 
 def _plain_backward(p: Problem, x: Inputs, out, lse, dout) -> Grads:
-    """`backward` where `_plain` holds, in fewer torch calls (each costs µs on cold caches: a 1k-token
-    training step is host-bound): no row is dead, so lse holds no -inf to map; one sum tells whether
+    """`backward` where `_plain` holds, in fewer torch calls (each costs µs on cold caches, which small
+    calls feel): no row is dead, so lse holds no -inf to map; one sum tells whether
     it holds a NaN or an infinity (the forward's mark of non-finite q/k; a sum that overflows costs
     only the exact check of q and k); the scale is passed only when it is not the kernel's default."""
     q, k, v = _operands(x)
