@@ -53,10 +53,10 @@ def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], *, layout:
     out = None
     for o, l in zip(outs, lses):
         l = l.to(acc)
-        term = _lse_as_out(torch.exp(l - top) / total, layout) * o.to(acc)
         # a part's row with lse = -inf saw no key: it adds nothing, whatever its out holds (an unwritten
-        # split-KV workspace, NaN or inf), instead of 0 * NaN = NaN
-        term = torch.where(_lse_as_out(l == float("-inf"), layout), torch.zeros((), dtype=acc, device=o.device), term)
+        # split-KV workspace, NaN or inf), where 0 * NaN would give NaN (and NaN gradients)
+        o = torch.where(_lse_as_out(l == float("-inf"), layout), torch.zeros((), dtype=acc, device=o.device), o.to(acc))
+        term = _lse_as_out(torch.exp(l - top) / total, layout) * o
         out = term if out is None else out + term
     return out.to(outs[0].dtype), lse
 
