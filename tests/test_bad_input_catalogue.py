@@ -123,6 +123,11 @@ def merge(outs=None, lses=None, n=2, **kw):
                        [l for _, l in parts] if lses is None else lses, **kw)
 
 
+def inference_cache():
+    with torch.inference_mode():
+        return attnx.KVCache.allocate(B, 8, HKV, D)
+
+
 def planned(**kw):
     return attnx.plan(*dense(), **kw)
 
@@ -367,6 +372,17 @@ ROWS = [
         lambda: run_plan({"mask": torch.ones(SQ, SK, dtype=torch.bool)}, mask=torch.ones(SQ, SK + 1, dtype=torch.bool))),
     Row("Plan.run", "q", "needs gradients when the plan did not", Arg,
         lambda: run_plan(tensors=(r(B, HQ, SQ, D).requires_grad_(),) + dense()[1:]), words="needs_grad"),
+
+    # -- KVCache (more rows in tests/test_kvcache_object.py and tests/test_serving_review.py) ---------
+    Row("KVCache", "v", "shares memory with k (the same tensor)", Arg, lambda: attnx.KVCache(*[torch.zeros(B, 6, HKV, D)] * 2)),
+    Row("KVCache", "page_table", "a meta tensor", Arg,
+        lambda: attnx.KVCache(*(torch.zeros(3, 4, HKV, D, device="meta") for _ in range(2)),
+                              page_table=torch.zeros(B, 2, dtype=torch.int32, device="meta"))),
+    Row("KVCache.attend", "max_seqlen_q", "below a sequence's packed new tokens", Arg,
+        lambda: attnx.KVCache.allocate(B, 8, HKV, D).attend(r(7, HQ, D), r(7, HKV, D), r(7, HKV, D), cu_seqlens=i32(*CU_Q),
+                                                            max_seqlen_q=3)),
+    Row("KVCache.append", "(the cache)", "made inside torch.inference_mode, changed outside it", Arg,
+        lambda: inference_cache().append(r(B, HKV, 1, D), r(B, HKV, 1, D)), words="inference_mode"),
 
     # -- compat: scaled_dot_product_attention ---------------------------------------------------
     Row("compat sdpa", "query", "not a tensor", Type, lambda: sdpa([[1.0]], qkv3(3, 4), qkv3(3, 4))),
