@@ -121,12 +121,21 @@ def _slots(cache, counts: list[int], packed: bool, cu_seqlens, device):
     return seq, pos.clamp(0, cache.capacity - 1)
 
 
+def _unaliased(t: torch.Tensor, cache) -> torch.Tensor:
+    """``t``, copied first when it lies in the cache's own storage (new tokens sliced from the cache): the
+    write would otherwise read positions it has already overwritten. A metadata check, no host sync."""
+    if t.device.type == "meta" or not t.numel():
+        return t
+    storages = {cache.k.untyped_storage().data_ptr(), cache.v.untyped_storage().data_ptr()}
+    return t.clone() if t.untyped_storage().data_ptr() in storages else t
+
+
 def write_tokens(cache, k, v, layout: str, cu_seqlens, counts: list[int]) -> None:
     """Write checked new tokens at each sequence's current length (the lengths are not changed here)."""
     packed = cu_seqlens is not None
-    k_t, v_t = _token_major(k, layout, packed), _token_major(v, layout, packed)
     if cache.batch == 0 or not sum(counts):
         return
+    k_t, v_t = _token_major(_unaliased(k, cache), layout, packed), _token_major(_unaliased(v, cache), layout, packed)
     with torch.no_grad():
         used = cache.seqlens
         if not cache.paged and not packed and len(set(used)) == 1:

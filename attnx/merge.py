@@ -27,8 +27,9 @@ def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], *, layout:
     the same queries against the i-th key set. Returns ``(out, lse)``: ``lse`` is the
     log-sum-exp of the parts, and ``out`` their average weighted by ``exp(lse_i - lse)``;
     a row no part saw gives ``out = 0``, ``lse = -inf``, and a part's row with ``lse = -inf`` adds
-    nothing whatever its ``out`` holds (NaN or garbage in an unwritten workspace); a NaN ``lse``
-    propagates. Differentiable in every input.
+    nothing whatever its ``out`` holds (NaN or garbage in an unwritten workspace). A NaN ``lse``
+    propagates and ``+inf`` gives NaN (flash-attn 2 returns ``+inf`` for a row without keys: map
+    it to ``-inf`` before merging such parts, as vLLM does). Differentiable in every input.
     ``layout`` is the outs' layout: ``"bhsd"``, ``"bshd"`` or ``"varlen"`` (``(T, H, Dv)``
     with lse ``(H, T)``). Used by split-KV decoding, ring attention and shared prefixes.
 
