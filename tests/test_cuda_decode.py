@@ -17,7 +17,7 @@ from attnx.inputs import Inputs
 from attnx.backends.cuda import families, launch_decode, nvrtc_check, variants
 from attnx.backends.cuda.compile import kernel_source, nvrtc_options
 from attnx.problem import Problem
-from benchmarks import cuda_decode
+from benchmarks import cuda_decode, decode_emulate
 
 
 def _nvrtc() -> str:
@@ -244,10 +244,10 @@ def test_copy_map_of_every_candidate():
     page registers per lane), and the static_asserts' limits are the emulation's."""
     for hd in (64, 128, 256):
         for v in cuda_decode.tile_candidates(hd):
-            cuda_decode.check_copy_map(v)
+            decode_emulate.check_copy_map(v)
     v = cuda_decode.tile_candidates(64)[0]
     with pytest.raises(ValueError):
-        cuda_decode.check_copy_map(v._replace(block_n=128))
+        decode_emulate.check_copy_map(v._replace(block_n=128))
 
 
 SOME_TILE_CASES = ("paged1 causal sq4", "paged bad index values", "cache splits=13 forced")
