@@ -82,14 +82,14 @@ def _check_storage(k, v) -> None:
 
 def _check_disjoint(k, v) -> None:
     """`k` and `v` share no memory location (appends write both)."""
-    if _share_memory(k, v):
+    if shares_memory(k, v):
         raise InvalidArgumentError("`v` must not share memory with `k` (the same tensor, or overlapping views "
                                    "of one buffer): appends would write values over keys; pass separate "
                                    "tensors (disjoint views of one buffer, such as kv[:, :, 0] and kv[:, :, 1], "
                                    "are fine)")
 
 
-def _share_memory(k: torch.Tensor, v: torch.Tensor, budget: int = 10_000) -> bool:
+def shares_memory(k: torch.Tensor, v: torch.Tensor, budget: int = 10_000) -> bool:
     """Whether an element of ``k`` and an element of ``v`` are one memory location (same dtype).
 
     Exact: solves ``sum_d c_d * stride_d = offset(v) - offset(k)`` over the coefficient ranges of both

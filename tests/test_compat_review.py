@@ -290,3 +290,44 @@ def test_varlen_block_table_checks_cu_seqlens_k(cu_seqlens_k, error):
     with pytest.raises(error, match="cu_seqlens_k"):
         flash_attn.flash_attn_varlen_func(q, pool, pool, torch.tensor([0, 2, 5], dtype=torch.int32), cu_seqlens_k,
                                           3, 4, block_table=table)
+
+
+def test_flash_attn_with_kvcache_refuses_caches_that_share_memory_before_writing():
+    """One tensor as both caches (or overlapping views): the new values would overwrite the new keys."""
+    cache = torch.randn(2, 8, 2, 8, dtype=F64)
+    before = cache.clone()
+    with pytest.raises(attnx.InvalidArgumentError, match="share memory"):
+        flash_attn.flash_attn_with_kvcache(_bshd(2, 1, 2), cache, cache, _bshd(2, 1, 2), _bshd(2, 1, 2),
+                                           cache_seqlens=1)
+    assert torch.equal(cache, before)
+    kv = torch.randn(2, 8, 2, 2, 8, dtype=F64)  # a packed kv buffer: disjoint views, as flash-attn's kvpacked callers hold
+    out = flash_attn.flash_attn_with_kvcache(_bshd(2, 1, 2), kv[:, :, 0], kv[:, :, 1], _bshd(2, 1, 2),
+                                             _bshd(2, 1, 2), cache_seqlens=1)
+    assert out.shape == (2, 1, 2, 8)
+    # read-only calls may pass one tensor for both (nothing is written)
+    flash_attn.flash_attn_with_kvcache(_bshd(2, 1, 2), cache, cache, cache_seqlens=3)
+
+
+def test_flash_attn_with_kvcache_new_keys_must_have_the_cache_dtype():
+    k_cache, v_cache = torch.randn(2, 8, 2, 8), torch.randn(2, 8, 2, 8)
+    before = k_cache.clone()
+    with pytest.raises(attnx.InvalidArgumentError, match="cache's dtype"):
+        flash_attn.flash_attn_with_kvcache(_bshd(2, 1, 2).float(), k_cache, v_cache, _bshd(2, 1, 2),
+                                           _bshd(2, 1, 2), cache_seqlens=1)
+    assert torch.equal(k_cache, before)
+
+
+@pytest.mark.parametrize("name", ["cache_seqlens", "cache_batch_idx"])
+def test_flash_attn_with_kvcache_meta_index_tensors_are_typed_errors(name):
+    k_cache, v_cache = torch.randn(3, 8, 2, 8, dtype=F64), torch.randn(3, 8, 2, 8, dtype=F64)
+    call = dict(cache_seqlens=torch.tensor([1, 0, 2], dtype=torch.int32),
+                cache_batch_idx=torch.tensor([2, 0, 1], dtype=torch.int32))
+    call[name] = torch.empty(3, dtype=torch.int32, device="meta")
+    with pytest.raises(attnx.InvalidArgumentError, match=f"`{name}` is a meta tensor"):
+        flash_attn.flash_attn_with_kvcache(_bshd(3, 1, 2), k_cache, v_cache, _bshd(3, 1, 2), _bshd(3, 1, 2), **call)
+
+
+def test_flash_attn_with_kvcache_cache_seqlens_true_is_not_a_length():
+    with pytest.raises(attnx.InvalidTypeError, match="cache_seqlens"):
+        flash_attn.flash_attn_with_kvcache(_bshd(2, 1, 2), torch.randn(2, 8, 2, 8, dtype=F64), torch.randn(2, 8, 2, 8, dtype=F64),
+                                           cache_seqlens=True)

@@ -9,6 +9,7 @@ import torch
 from ..api import attention
 from ..errors import InvalidArgumentError, InvalidTypeError
 from ..index_checks import check_append, check_pages
+from ..kvcache import shares_memory
 from ..problem import make_problem
 from .errors import CompatArgumentError
 from .flash_attn_args import options
@@ -22,12 +23,22 @@ def _cache_lengths(cache_seqlens, batch: int, device) -> Optional[torch.Tensor]:
         if cache_seqlens.dtype not in (torch.int32, torch.int64) or cache_seqlens.shape != (batch,):
             raise InvalidArgumentError(f"`cache_seqlens` must be an int or an int32 tensor of shape ({batch},), got "
                                        f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
+        _check_has_values("cache_seqlens", cache_seqlens)
         return cache_seqlens.to(device=device, dtype=torch.int32)
+    if isinstance(cache_seqlens, bool):
+        raise InvalidTypeError(f"`cache_seqlens` must be an int or a tensor, got {cache_seqlens!r}")
     try:
         length = operator.index(cache_seqlens)
     except TypeError:
         raise InvalidTypeError(f"`cache_seqlens` must be an int or a tensor, got {cache_seqlens!r}") from None
     return torch.full((batch,), length, dtype=torch.int32, device=device)
+
+
+def _check_has_values(name: str, t: torch.Tensor) -> None:
+    """An index tensor read on the host must hold values: a meta tensor has none."""
+    if t.is_meta:
+        raise InvalidArgumentError(f"flash_attn_with_kvcache: `{name}` is a meta tensor: its values are read on "
+                                   f"the host, pass it on a real device")
 
 
 def _slots(lengths: torch.Tensor, new: int, capacity: int) -> torch.Tensor:
@@ -65,12 +76,18 @@ def _check_inputs(q, k_cache, v_cache, k, v, cache_batch_idx) -> None:
             continue
         if not isinstance(t, torch.Tensor):
             raise InvalidTypeError(f"flash_attn_with_kvcache: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != cache.dtype:  # flash-attn refuses it too; a silent cast would round float64 keys
+            raise InvalidArgumentError(f"flash_attn_with_kvcache: `{name}` must have the cache's dtype "
+                                       f"{cache.dtype}, got {t.dtype}")
         if (t.dim() != 4 or t.shape[0] != q.shape[0] or t.shape[2] != cache.shape[2] or t.shape[1] != k.shape[1]
                 or t.shape[3] != cache.shape[3]):
             raise InvalidArgumentError(
                 f"flash_attn_with_kvcache: `{name}` must be (batch, seqlen_new, nheads_k, d) with q's batch "
                 f"{q.shape[0]}, the new keys' length and the cache's {cache.shape[2]} heads of dim {cache.shape[3]}, "
                 f"got {tuple(t.shape)}")
+    if k is not None and shares_memory(k_cache, v_cache):
+        raise InvalidArgumentError("flash_attn_with_kvcache: `k_cache` and `v_cache` share memory (one tensor, or "
+                                   "overlapping views of one buffer): the new values would overwrite the new keys")
     if cache_batch_idx is not None:
         if not isinstance(cache_batch_idx, torch.Tensor) or cache_batch_idx.dtype not in (torch.int32, torch.int64):
             raise InvalidTypeError("flash_attn_with_kvcache: `cache_batch_idx` must be an int32 tensor, got "
@@ -78,6 +95,7 @@ def _check_inputs(q, k_cache, v_cache, k, v, cache_batch_idx) -> None:
         if tuple(cache_batch_idx.shape) != (q.shape[0],):
             raise InvalidArgumentError(f"flash_attn_with_kvcache: `cache_batch_idx` must have shape ({q.shape[0]},), "
                                        f"got {tuple(cache_batch_idx.shape)}")
+        _check_has_values("cache_batch_idx", cache_batch_idx)
         rows = cache_batch_idx.tolist()  # one host read, as `cache_seqlens` already takes
         if any(r < 0 or r >= k_cache.shape[0] for r in rows):
             raise InvalidArgumentError(f"flash_attn_with_kvcache: `cache_batch_idx` must name cache rows in "
