@@ -12,11 +12,12 @@ all-gather, so comparing the values costs no collective and no host read of its 
 """
 from __future__ import annotations
 
+import zlib
 from typing import Optional
 
 import torch
 
-from ..errors import NoBackendError
+from ..errors import InvalidArgumentError, NoBackendError
 from ..problem import Problem
 from ..registry import get_backend
 
@@ -50,3 +51,36 @@ def slopes_checksum(alibi_slopes: Optional[torch.Tensor], device: torch.device) 
     bits = alibi_slopes.detach().reshape(-1).contiguous().view(torch.int32).to(torch.int64)
     weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
     return (bits * weights).sum().reshape(1).to(device)
+
+
+def agree_or_raise(group, world_size: int, error: Optional[Exception], fields: dict, what: str, device) -> None:
+    """One small all-gather for a collective helper (`gather`, `gather_varlen`) before its data moves.
+
+    `error` is the rank's own argument error (None when its arguments were fine) and `fields` the
+    ints every rank must agree on (the same keys on every rank). Every rank raises a typed error
+    when any rank rejected its arguments (that rank its own) or the ranks' `fields` differ, so no
+    rank is left waiting in, or crashed by, an all-gather of tensors of other shapes.
+    """
+    import torch.distributed as dist
+
+    mine = [1] + [0] * len(fields) if error is not None else [0] + [int(x) for x in fields.values()]
+    t = torch.tensor(mine, dtype=torch.int64, device=device)
+    rows = [torch.empty_like(t) for _ in range(world_size)]
+    dist.all_gather(rows, t, group=group)
+    rows = [r.tolist() for r in rows]
+    if error is not None:
+        raise error
+    rejected = [r for r, row in enumerate(rows) if row[0]]
+    if rejected:
+        raise InvalidArgumentError(f"rank(s) {rejected} rejected their arguments to {what} (see the error raised "
+                                   "there); nothing was gathered")
+    differ = [name for i, name in enumerate(fields, 1) if len({row[i] for row in rows}) > 1]
+    if differ:
+        raise InvalidArgumentError(f"the ranks of the group called {what} with different {', '.join(differ)}; "
+                                   "every rank must pass a shard of one shape, dtype and device type, and the "
+                                   "same options")
+
+
+def code(value) -> int:
+    """A stable int for a small value (a dtype, a shape, a name): what `agree_or_raise` compares."""
+    return zlib.crc32(repr(value).encode())

@@ -89,26 +89,34 @@ def ring_attention(q, k, v, *, group=None, sharding="zigzag", causal=False, wind
         out = attnx.attention(q_all, k_all, v_all, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=causal, ...)
         attnx.distributed.shard_varlen(out, cu_q, rank, P, sharding=sharding)[0]
     """
-    check_return_lse(return_lse)
-    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+
+    def own_checks():  # checked with the rest of the rank's arguments, so every rank raises (validate.py)
+        check_return_lse(return_lse)
+        if packed:
+            return
+        for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if given is not None:
+                raise InvalidArgumentError(f"`{name}` describes packed shards (`cu_seqlens_q`/`cu_seqlens_k`); "
+                                           f"this call has none (got {name}={given!r})")
+
+    if packed:
         spec = check_varlen_call(q, k, v, group=group, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, sinks=sinks,
                                  sharding=sharding, causal=causal, window=window, offset=offset, scale=scale,
                                  softcap=softcap, alibi_slopes=alibi_slopes, layout=layout, backend=backend,
-                                 exchange=exchange, kv_pieces=kv_pieces, deterministic=deterministic)
+                                 exchange=exchange, kv_pieces=kv_pieces, deterministic=deterministic,
+                                 own_checks=own_checks)
         function = VarlenAllGatherAttention
         if spec.ring.exchange == "ring":
             pieced = spec.ring.kv_pieces > 1 and spec.ring.world_size > 1
             function = VarlenPiecedRingAttention if pieced else VarlenRingAttention
         out, lse = function.apply(spec, q, k, v, sinks)
         return (out, lse) if return_lse else out
-    for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if given is not None:
-            raise InvalidArgumentError(f"`{name}` describes packed shards (`cu_seqlens_q`/`cu_seqlens_k`); "
-                                       f"this call has none (got {name}={given!r})")
-    spec = check_call(q, k, v, group=group, sinks=sinks, sharding=sharding, causal=causal, window=window,
-                      offset=offset, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, layout=layout,
-                      backend=backend, exchange=exchange, kv_pieces=kv_pieces, deterministic=deterministic)
+    spec = check_call(q, k, v, group=group, sinks=sinks, own_checks=own_checks, sharding=sharding, causal=causal,
+                      window=window, offset=offset, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
+                      layout=layout, backend=backend, exchange=exchange, kv_pieces=kv_pieces,
+                      deterministic=deterministic)
     function = AllGatherAttention
     if spec.exchange == "ring":  # one rank: nothing travels, pieces or not
         function = PiecedRingAttention if spec.kv_pieces > 1 and spec.world_size > 1 else RingAttention

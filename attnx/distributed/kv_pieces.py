@@ -57,10 +57,22 @@ class Piece:
             at += n
 
 
+def slices_with_rows(m: int, lengths) -> list[int]:
+    """The slices j of ``m`` (``[j * L // m, (j + 1) * L // m)`` of a run of ``L`` rows) that hold a row
+    of some run of `lengths`, in order, found without looking at every j (``m`` may be huge):
+    row i of a run of ``L`` rows lies in slice ``ceil((i + 1) * m / L) - 1``."""
+    found = set()
+    for length in set(lengths):
+        if length >= m:
+            return list(range(m))
+        found.update(-(-(i + 1) * m // length) - 1 for i in range(length))
+    return sorted(found)
+
+
 def kv_pieces(spec: RingSpec) -> list[Piece]:
     """The non-empty pieces of the ring's blocks (``spec.kv_pieces`` slices of each chunk)."""
     m, found = spec.kv_pieces, []
-    for j in range(m):
+    for j in slices_with_rows(m, [c.length for c in spec.chunks(spec.rank)]):
         runs, offsets = [], []
         for c in spec.chunks(spec.rank):
             a, e = j * c.length // m, (j + 1) * c.length // m

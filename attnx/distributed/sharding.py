@@ -155,8 +155,20 @@ def shard_positions(rank: int, world_size: int, seqlen: int, *, sharding: str = 
     return torch.cat([torch.arange(c.position, c.position + c.length, device=device) for c in chunks])
 
 
+def _signature_device(group) -> torch.device:
+    import torch.distributed as dist
+
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def gather(x: torch.Tensor, *, group=None, sharding: str = "zigzag", dim: int = 2) -> torch.Tensor:
     """The full sequence on every rank from each rank's shard `x` (a collective; not differentiable).
+
+    The ranks first all-gather a few ints (shape, dtype, device type, `dim`, `sharding`): a rank's
+    bad arguments, or shards that differ between ranks, raise `InvalidArgumentError` (or the
+    rank's own typed error) on every rank instead of a hang or a crash in the all-gather.
 
     Equivalent PyTorch::
 
@@ -168,9 +180,21 @@ def gather(x: torch.Tensor, *, group=None, sharding: str = "zigzag", dim: int = 
 
     from .group import resolve_group
 
+    from .agreement import agree_or_raise, code
+
     group, _, world_size = resolve_group(group)
-    dim = _check_split(x, dim, 1, "contiguous")
-    check_shard_length(x.shape[dim], check_sharding(sharding))
+    error, fields = None, {}
+    try:
+        dim = _check_split(x, dim, 1, "contiguous")
+        check_shard_length(x.shape[dim], check_sharding(sharding))
+        fields = dict(shape=code(tuple(x.shape)), dtype=code(x.dtype), device=code(x.device.type),
+                      dim=dim, sharding=SHARDINGS.index(sharding))
+    except Exception as e:  # noqa: BLE001 - told to the others first: none waits in, or dies of, the all-gather
+        error, fields = e, dict.fromkeys(("shape", "dtype", "device", "dim", "sharding"), 0)
+    if world_size > 1:
+        agree_or_raise(group, world_size, error, fields, "gather", _signature_device(group))
+    elif error is not None:
+        raise error
     x = x.contiguous()
     shards = [torch.empty_like(x) for _ in range(world_size)]
     dist.all_gather(shards, x, group=group)

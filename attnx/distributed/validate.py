@@ -5,9 +5,11 @@
    the ring's own options, and whether the backend accepts every block this rank will compute
    (and, when the backward must be deterministic, a named backend's backward: `agreement.py`).
 3. One small all-gather of each rank's signature: when a rank's arguments were rejected, or the
-   ranks disagree (shapes, dtype, options, whether the backward must be deterministic, the
-   ALiBi slopes' values, whether gradients are needed), every rank raises, so no rank is left
-   waiting in the ring.
+   ranks disagree (dense or packed shards, device type, shapes, dtype, options, whether the
+   backward must be deterministic, the ALiBi slopes' and the sinks' values, whether gradients
+   are needed), every rank raises, so no rank is left waiting in the ring. Dense and packed
+   calls send signatures of one length (`SIGNATURE_INTS` ints, then the two checksums), so
+   ranks that disagree even on that meet in the same all-gather and raise.
 """
 from __future__ import annotations
 
@@ -30,11 +32,21 @@ from .rule import EXCHANGES, check_kv_pieces, choose_exchange
 from .sharding import check_shard_length, check_sharding
 from .spec import RingSpec
 
-_FIELDS = ("rejected", "batch", "heads_q", "heads_kv", "shard length", "head_dim", "head_dim_v", "dtype",
-           "layout", "sharding", "exchange", "needs_grad", "sinks", "alibi_slopes", "kv_pieces", "options",
-           "deterministic", "alibi_slopes values")
+# every signature, dense or packed, is this many ints (zero padded), then the slopes' and sinks' checksums
+SIGNATURE_INTS = 24
+CHECKSUMS = ("alibi_slopes values", "sinks values")
+_FIELDS = ("rejected", "packed", "device", "batch", "heads_q", "heads_kv", "shard length", "head_dim", "head_dim_v",
+           "dtype", "layout", "sharding", "exchange", "needs_grad", "sinks", "alibi_slopes", "kv_pieces", "options",
+           "deterministic")
 _CODES = {"bhsd": 0, "bshd": 1, "zigzag": 0, "contiguous": 1, "ring": 0, "allgather": 1}
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+_DEVICE_TYPES = {"cpu": 0, "cuda": 1, "meta": 2}
+
+
+def device_code(t: torch.Tensor) -> int:
+    """A number for the type of `t`'s device (not its index: ranks hold their own GPUs)."""
+    kind = t.device.type
+    return _DEVICE_TYPES.get(kind, 3 + zlib.crc32(kind.encode()) % 1000)
 
 
 def _needs_grad(*tensors) -> bool:
@@ -95,17 +107,22 @@ def local_spec(q, k, v, group, rank, world_size, *, sharding, causal, window, of
 
 def _signature(spec: Optional[RingSpec], q, k, v, sinks) -> list[int]:
     if spec is None:
-        return [1] + [0] * (len(_FIELDS) - 2)  # the slopes' checksum follows (`_agree`)
+        return [1, 0]  # the rest is padding (`_agree`); the checksums follow
     options = repr((spec.window_left, spec.window_right, spec.offset, spec.scale, spec.softcap, spec.backend))
     heads = 1 if spec.layout == "bhsd" else 2
-    return [0, q.shape[0], q.shape[heads], k.shape[heads], spec.shard_len, q.shape[-1], v.shape[-1], _DTYPES[q.dtype],
-            _CODES[spec.layout], _CODES[spec.sharding], _CODES[spec.exchange], int(_needs_grad(q, k, v, sinks)),
-            int(sinks is not None), int(spec.alibi_slopes is not None), spec.kv_pieces, zlib.crc32(options.encode()),
+    return [0, 0, device_code(q), q.shape[0], q.shape[heads], k.shape[heads], spec.shard_len, q.shape[-1],
+            v.shape[-1], _DTYPES[q.dtype], _CODES[spec.layout], _CODES[spec.sharding], _CODES[spec.exchange],
+            int(_needs_grad(q, k, v, sinks)), int(sinks is not None), int(spec.alibi_slopes is not None),
+            spec.kv_pieces, zlib.crc32(options.encode()),
             int(spec.deterministic)]
 
 
-def _agree(group, world_size: int, mine: list[int], device, *extra: torch.Tensor) -> list[list[int]]:
-    """Every rank's signature `mine` (host ints) followed by `extra` int64 tensors already on `device`."""
+def _agree(group, world_size: int, mine: list[int], device, *extra: torch.Tensor,
+           pad: bool = True) -> list[list[int]]:
+    """Every rank's signature `mine` (host ints, zero padded to `SIGNATURE_INTS` unless ``pad=False``)
+    followed by `extra` int64 tensors already on `device`."""
+    if pad:
+        mine = list(mine) + [0] * (SIGNATURE_INTS - len(mine))
     t = torch.tensor(mine, dtype=torch.int64, device=device)
     if extra:
         t = torch.cat([t, *extra])
@@ -120,21 +137,41 @@ def _signature_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def check_call(q, k, v, *, group, sinks, **options) -> RingSpec:
-    """The call's `RingSpec`, the same on every rank of the group, or a typed error on every rank."""
-    group, rank, world_size = resolve_group(group)
+def checksums(alibi_slopes, sinks, device) -> list[torch.Tensor]:
+    """The checksums that follow a signature: the ALiBi slopes' and the sinks' values (`CHECKSUMS`)."""
+    return [slopes_checksum(alibi_slopes, device), slopes_checksum(None if sinks is None else sinks.detach(), device)]
+
+
+def resolve(group, own_checks=None):
+    """`resolve_group`; when there is no usable group, `own_checks` (the rank's cheap argument checks) first."""
+    try:
+        return resolve_group(group)
+    except AttnxError:
+        if own_checks is not None:
+            own_checks()
+        raise
+
+
+def check_call(q, k, v, *, group, sinks, own_checks=None, **options) -> RingSpec:
+    """The call's `RingSpec`, the same on every rank of the group, or a typed error on every rank.
+
+    ``own_checks()``, if given, checks more of the rank's arguments (typed errors) before its own spec.
+    """
+    group, rank, world_size = resolve(group, own_checks)
     spec, error = None, None
     try:
+        if own_checks is not None:
+            own_checks()
         spec = local_spec(q, k, v, group, rank, world_size, sinks=sinks, **options)
-    except AttnxError as e:  # typed errors are the rank's own argument errors: tell the others first
+    except Exception as e:  # noqa: BLE001 - the rank's arguments were rejected (any error): tell the others first
         error = e
     if world_size == 1:
         if error is not None:
             raise error
         return spec
     device = _signature_device(group)
-    slopes = slopes_checksum(None if spec is None else spec.alibi_slopes, device)
-    rows = _agree(group, world_size, _signature(spec, q, k, v, sinks), device, slopes)
+    sums = checksums(None, None, device) if spec is None else checksums(spec.alibi_slopes, sinks, device)
+    rows = _agree(group, world_size, _signature(spec, q, k, v, sinks), device, *sums)
     if error is not None:
         raise error
     raise_on_disagreement(rows, _FIELDS, "shards of one shape")
@@ -144,13 +181,19 @@ def check_call(q, k, v, *, group, sinks, **options) -> RingSpec:
 def raise_on_disagreement(rows: list[list[int]], fields: tuple, shards: str) -> None:
     """Typed errors, on every rank alike, when a rank rejected its arguments or the ranks' signatures differ.
 
-    `rows` are the ranks' signatures (`_agree`), field 0 the "rejected" flag; `fields` names them.
+    `rows` are the ranks' signatures (`_agree`): field 0 the "rejected" flag, field 1 whether the
+    shards are packed, `fields` naming the first ints, `CHECKSUMS` the last ones.
     """
     rejected = [r for r, row in enumerate(rows) if row[0]]
     if rejected:
         raise InvalidArgumentError(f"rank(s) {rejected} rejected their arguments (see the error raised there); "
                                    "no K/V was exchanged")
-    differ = [name for i, name in enumerate(fields) if len({row[i] for row in rows}) > 1]
+    packed = [r for r, row in enumerate(rows) if row[1]]
+    if packed and len(packed) < len(rows):
+        raise InvalidArgumentError(f"rank(s) {packed} passed packed shards (cu_seqlens_q/cu_seqlens_k) and the "
+                                   "others dense ones: every rank must pass the same kind; no K/V was exchanged")
+    names = list(fields) + [None] * (SIGNATURE_INTS - len(fields)) + list(CHECKSUMS)
+    differ = [name for i, name in enumerate(names) if name and len({row[i] for row in rows}) > 1]
     if differ:
         raise InvalidArgumentError("the ranks of the group called ring attention with different "
                                    + ", ".join(differ) + f"; every rank must pass {shards} and the same "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .kv_pieces import slices_with_rows
 from .varlen_sharding import SeqChunk, VarlenLayout
 
 
@@ -18,8 +19,9 @@ class VarlenPieces:
 
     def __init__(self, layout: VarlenLayout, m: int):
         self._slots, self._runs = {}, {}  # (j, rank) -> piece slots, [(first row in the block, rows)]
-        self.rows = []  # piece j's padded rows (the longest over ranks)
-        for j in range(m):
+        self.rows = {}  # piece j's padded rows (the longest over ranks), for the pieces that hold a row
+        lengths = [c.length for rank in range(layout.world_size) for slot in layout.slots(rank) for c in slot]
+        for j in slices_with_rows(m, lengths):
             longest = 0
             for rank in range(layout.world_size):
                 slots = layout.slots(rank)
@@ -33,11 +35,11 @@ class VarlenPieces:
                         at += e - a
                 self._slots[(j, rank)], self._runs[(j, rank)] = piece_slots, runs
                 longest = max(longest, at)
-            self.rows.append(longest)
+            self.rows[j] = longest
 
     def pieces(self) -> list[int]:
         """The pieces some rank holds rows of."""
-        return [j for j, rows in enumerate(self.rows) if rows]
+        return [j for j, rows in self.rows.items() if rows]
 
     def slots(self, j: int, rank: int) -> list:
         """``slots[s][b]`` of piece j of rank `rank`'s block, ``start`` a row of the piece."""

@@ -219,22 +219,33 @@ def gather_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, *, group=None,
     """The whole packed batch ``(x, cu_seqlens)`` on every rank from each rank's shard (a collective, not differentiable).
 
     Shards may differ in length by a few rows; they travel padded to the longest. Equivalent
-    PyTorch: all-gather every rank's ``x`` and ``cu_seqlens``, then `unshard_varlen`.
+    PyTorch: all-gather every rank's ``x`` and ``cu_seqlens``, then `unshard_varlen`. The ranks
+    first all-gather a few ints (number of sequences, ``x``'s shape after dim 0, dtype, device
+    type, `sharding`): a rank's bad arguments, or shards that differ between ranks, raise a typed
+    error on every rank instead of a hang or a crash in the all-gather.
     """
     import torch.distributed as dist
 
+    from .agreement import agree_or_raise, code
     from .group import resolve_group
+    from .sharding import SHARDINGS
 
     group, _, world_size = resolve_group(group)
-    check_sharding(sharding)
-    _packed(x)
-    mine = read_cu_seqlens("cu_seqlens", cu_seqlens, x.shape[0], "x")
-    device = _collective_device(group, x)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size)]
-    dist.all_gather(sizes, torch.tensor([len(mine)], dtype=torch.int64, device=device), group=group)
-    if len({int(s) for s in sizes}) > 1:
-        raise InvalidArgumentError("every rank's cu_seqlens must describe one batch: got "
-                                   + ", ".join(str(int(s) - 1) for s in sizes) + " sequences")
+    names = ("number of sequences", "shape after dim 0", "dtype", "device type", "sharding")
+    error, fields, mine, device = None, dict.fromkeys(names, 0), None, torch.device("cpu")
+    try:
+        check_sharding(sharding)
+        _packed(x)
+        mine = read_cu_seqlens("cu_seqlens", cu_seqlens, x.shape[0], "x")
+        device = _collective_device(group, x)
+        fields = dict(zip(names, (len(mine), code(tuple(x.shape[1:])), code(x.dtype), code(x.device.type),
+                                  SHARDINGS.index(sharding))))
+    except Exception as e:  # noqa: BLE001 - told to the others first: none waits in, or dies of, an all-gather
+        error = e
+    if world_size > 1:
+        agree_or_raise(group, world_size, error, fields, "gather_varlen", _group_device(group))
+    elif error is not None:
+        raise error
     cus = [torch.empty(len(mine), dtype=torch.int64, device=device) for _ in range(world_size)]
     dist.all_gather(cus, torch.tensor(mine, dtype=torch.int64, device=device), group=group)
     values = [cu.tolist() for cu in cus]
@@ -246,6 +257,14 @@ def gather_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, *, group=None,
     shards = [t.narrow(0, 0, cu[-1]) for t, cu in zip(received, values)]
     return unshard_varlen(shards, [torch.tensor(cu, dtype=torch.int32, device=cu_seqlens.device) for cu in values],
                           sharding=sharding)
+
+
+def _group_device(group) -> torch.device:
+    import torch.distributed as dist
+
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _collective_device(group, x: torch.Tensor) -> torch.device:

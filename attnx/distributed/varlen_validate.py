@@ -19,17 +19,18 @@ from ..api import plan
 from ..errors import AttnxError, InvalidArgumentError
 from ..problem import make_problem
 from ..registry import get_backend
-from .agreement import check_named_backend, slopes_checksum
-from .group import resolve_group
+from .agreement import check_named_backend
 from .rule import EXCHANGES, check_kv_pieces, choose_exchange
 from .sharding import check_sharding
 from .spec import RingSpec
-from .validate import _CODES, _DTYPES, _agree, _needs_grad, _signature_device, raise_on_disagreement
+from .group import resolve_group
+from .validate import (_CODES, _DTYPES, _agree, _needs_grad, _signature_device, checksums, device_code,
+                       raise_on_disagreement)
 from .varlen_calls import VarlenSpec
 from .varlen_sharding import _layout_from_shards, read_cu_seqlens
 
-_FIELDS = ("rejected", "batch", "heads_q", "heads_kv", "head_dim", "head_dim_v", "dtype", "sharding", "exchange",
-           "needs_grad", "sinks", "alibi_slopes", "kv_pieces", "options", "deterministic", "alibi_slopes values")
+_FIELDS = ("rejected", "packed", "device", "batch", "heads_q", "heads_kv", "head_dim", "head_dim_v", "dtype",
+           "sharding", "exchange", "needs_grad", "sinks", "alibi_slopes", "kv_pieces", "options", "deterministic")
 
 
 def _local(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, sharding, causal, window, offset,
@@ -63,36 +64,47 @@ def _local(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, s
 
 def _signature(p, q, k, v, sinks, alibi_slopes, sharding, exchange, offset, backend, kv_pieces) -> list[int]:
     if p is None:
-        return [1] + [0] * (len(_FIELDS) - 2)  # the slopes' checksum follows (`_agree`)
+        return [1, 1]  # the rest is padding (`_agree`); the checksums follow
     options = repr((p.window_left, p.window_right, offset, p.scale, p.softcap, backend))
     slopes = 0 if alibi_slopes is None else alibi_slopes.dim()
-    return [0, p.batch, q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], _DTYPES[q.dtype], _CODES[sharding],
+    return [0, 1, device_code(q), p.batch, q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], _DTYPES[q.dtype], _CODES[sharding],
             EXCHANGES.index(exchange), int(_needs_grad(q, k, v, sinks)), int(sinks is not None), slopes,
             operator.index(kv_pieces), zlib.crc32(options.encode()), int(p.deterministic)]
 
 
 def check_varlen_call(q, k, v, *, group, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, sharding,
                       causal, window, offset, scale, softcap, alibi_slopes, layout, backend,
-                      exchange, kv_pieces, deterministic) -> VarlenSpec:
-    """The call's `VarlenSpec`, the same on every rank of the group, or a typed error on every rank."""
-    group, rank, world_size = resolve_group(group)
+                      exchange, kv_pieces, deterministic, own_checks=None) -> VarlenSpec:
+    """The call's `VarlenSpec`, the same on every rank of the group, or a typed error on every rank.
+
+    ``own_checks()``, if given, checks more of the rank's arguments (typed errors) before the rest.
+    """
+    try:
+        group, rank, world_size = resolve_group(group)
+    except AttnxError:  # no usable group: the rank's cheap argument checks first
+        if own_checks is not None:
+            own_checks()
+        raise
     p, cu, error = None, None, None
     try:
+        if own_checks is not None:
+            own_checks()
         p, cu = _local(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sharding=sharding,
                        causal=causal, window=window, offset=offset, scale=scale, softcap=softcap,
                        alibi_slopes=alibi_slopes, sinks=sinks, layout=layout, backend=backend,
                        exchange=exchange, kv_pieces=kv_pieces, deterministic=deterministic)
-    except AttnxError as e:
+    except Exception as e:  # noqa: BLE001 - the rank's arguments were rejected (any error): tell the others first
         error = e
     device = _signature_device(group) if world_size > 1 else None  # (a group of one exchanges nothing)
     if world_size > 1:
         mine = _signature(p, q, k, v, sinks, alibi_slopes, sharding, exchange, offset, backend, kv_pieces)
-        rows = _agree(group, world_size, mine, device, slopes_checksum(None if p is None else alibi_slopes, device))
+        rows = _agree(group, world_size, mine, device,
+                      *(checksums(None, None, device) if p is None else checksums(alibi_slopes, sinks, device)))
     if error is not None:
         raise error
     if world_size > 1:
         raise_on_disagreement(rows, _FIELDS, "shards of one batch")
-        cus = _agree(group, world_size, cu, device)
+        cus = _agree(group, world_size, cu, device, pad=False)
     else:
         cus = [cu]
     half = len(cus[0]) // 2
