@@ -343,3 +343,17 @@ def test_huge_kv_pieces_cut_as_one_row_pieces():
     for rank in range(3):
         taken = sorted(int(i) for j in cut.pieces() for i in cut._index(j, rank, "cpu"))
         assert taken == list(range(layout.tokens(rank)))
+
+
+def test_packed_helpers_raise_typed_errors_for_unreadable_offsets():
+    """Were ValueError / IndexError / RuntimeError: `shard_positions_varlen` read ``cu_seqlens[-1]`` before
+    checking its shape, and meta offsets reached ``tolist()``."""
+    from attnx.distributed import shard_positions_varlen
+
+    for bad in (torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor(5, dtype=torch.int32),
+                torch.tensor([0, 5], dtype=torch.int32, device="meta")):
+        with pytest.raises(attnx.InvalidArgumentError, match="cu_seqlens"):
+            shard_positions_varlen(bad, 0, 2)
+    with pytest.raises(attnx.InvalidArgumentError, match="meta"):
+        shard_varlen(torch.randn(5, 2), torch.tensor([0, 5], dtype=torch.int32, device="meta"), 0, 2)
+    assert shard_positions_varlen(torch.tensor([0, 8, 8, 11], dtype=torch.int32), 1, 2).tolist() == [2, 3, 4, 5, 0, 1]

@@ -11,7 +11,7 @@ from the global lengths alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -82,18 +82,21 @@ class VarlenLayout:
         return cu
 
 
-def read_cu_seqlens(name: str, cu, total: int, tensor: str) -> list[int]:
+def read_cu_seqlens(name: str, cu, total: Optional[int], tensor: str) -> list[int]:
     """The values of an int32/int64 ``(B + 1,)`` tensor rising from 0 to `total`, the rows of `tensor` (one host sync).
 
-    A bad entry raises `InvalidArgumentError` naming it (`attnx.index_checks.check_offsets`).
+    ``total=None``: to wherever they end (the whole batch's offsets, no tensor beside them). A bad
+    entry raises `InvalidArgumentError` naming it (`attnx.index_checks.check_offsets`).
     """
     if not isinstance(cu, torch.Tensor):
         raise InvalidTypeError(f"`{name}` must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1 or cu.numel() < 1:
         raise InvalidArgumentError(f"`{name}` must be a 1-D int32 tensor of B + 1 offsets, got "
                                    f"{str(cu.dtype).replace('torch.', '')} of shape {tuple(cu.shape)}")
+    if cu.device.type == "meta":
+        raise InvalidArgumentError(f"`{name}` is on the meta device: its offsets cannot be read")
     values = cu.tolist()
-    check_offsets(name, values, total, tensor)
+    check_offsets(name, values, values[-1] if total is None else total, tensor)
     return values
 
 
@@ -204,10 +207,8 @@ def shard_positions_varlen(cu_seqlens: torch.Tensor, rank: int, world_size: int,
     """
     rank, world_size = _rank_and_world(rank, world_size)
     check_sharding(sharding)
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise InvalidTypeError(f"`cu_seqlens` must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     # the whole batch's offsets, no tensor beside them: they end where they end
-    cu = read_cu_seqlens("cu_seqlens", cu_seqlens, int(cu_seqlens[-1]) if cu_seqlens.numel() else 0, "cu_seqlens")
+    cu = read_cu_seqlens("cu_seqlens", cu_seqlens, None, "cu_seqlens")
     layout = VarlenLayout(_lengths(cu), world_size, sharding)
     chunks = sorted((c for slot in layout.slots(rank) for c in slot), key=lambda c: c.start)
     parts = [torch.arange(c.position, c.position + c.length, device=device) for c in chunks if c.length]
