@@ -91,6 +91,12 @@ def check_untyped_error_on_one_rank(rank, world):
         ring_attention(packed, packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu)
     if rank != 0:
         assert raised.type is attnx.InvalidArgumentError and "rank(s) [0] rejected" in str(raised.value)
+    # ALiBi slopes on the meta device (with meta shards): their checksum cannot reach the signature's device
+    q = torch.randn(1, 2, 8, 4, device=device)
+    with pytest.raises(Exception) as raised:
+        ring_attention(q, q, q, alibi_slopes=torch.full((2,), 0.5, device=device))
+    if rank != 0:
+        assert raised.type is attnx.InvalidArgumentError and "rank(s) [0] rejected" in str(raised.value)
     _still_usable(rank, world)
 
 

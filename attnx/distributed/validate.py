@@ -158,19 +158,22 @@ def check_call(q, k, v, *, group, sinks, own_checks=None, **options) -> RingSpec
     ``own_checks()``, if given, checks more of the rank's arguments (typed errors) before its own spec.
     """
     group, rank, world_size = resolve(group, own_checks)
-    spec, error = None, None
+    device = _signature_device(group) if world_size > 1 else None  # (a group of one exchanges nothing)
+    spec, error, sums = None, None, None
     try:
         if own_checks is not None:
             own_checks()
         spec = local_spec(q, k, v, group, rank, world_size, sinks=sinks, **options)
+        if world_size > 1:
+            sums = checksums(spec.alibi_slopes, sinks, device)
     except Exception as e:  # noqa: BLE001 - the rank's arguments were rejected (any error): tell the others first
-        error = e
+        spec, error = None, e
     if world_size == 1:
         if error is not None:
             raise error
         return spec
-    device = _signature_device(group)
-    sums = checksums(None, None, device) if spec is None else checksums(spec.alibi_slopes, sinks, device)
+    if error is not None:
+        sums = checksums(None, None, device)
     rows = _agree(group, world_size, _signature(spec, q, k, v, sinks), device, *sums)
     if error is not None:
         raise error

@@ -85,7 +85,8 @@ def check_varlen_call(q, k, v, *, group, cu_seqlens_q, cu_seqlens_k, max_seqlen_
         if own_checks is not None:
             own_checks()
         raise
-    p, cu, error = None, None, None
+    device = _signature_device(group) if world_size > 1 else None  # (a group of one exchanges nothing)
+    p, cu, error, mine, sums = None, None, None, None, None
     try:
         if own_checks is not None:
             own_checks()
@@ -93,13 +94,16 @@ def check_varlen_call(q, k, v, *, group, cu_seqlens_q, cu_seqlens_k, max_seqlen_
                        causal=causal, window=window, offset=offset, scale=scale, softcap=softcap,
                        alibi_slopes=alibi_slopes, sinks=sinks, layout=layout, backend=backend,
                        exchange=exchange, kv_pieces=kv_pieces, deterministic=deterministic)
+        if world_size > 1:
+            mine = _signature(p, q, k, v, sinks, alibi_slopes, sharding, exchange, offset, backend, kv_pieces)
+            sums = checksums(alibi_slopes, sinks, device)
     except Exception as e:  # noqa: BLE001 - the rank's arguments were rejected (any error): tell the others first
-        error = e
-    device = _signature_device(group) if world_size > 1 else None  # (a group of one exchanges nothing)
+        p, error = None, e
     if world_size > 1:
-        mine = _signature(p, q, k, v, sinks, alibi_slopes, sharding, exchange, offset, backend, kv_pieces)
-        rows = _agree(group, world_size, mine, device,
-                      *(checksums(None, None, device) if p is None else checksums(alibi_slopes, sinks, device)))
+        if error is not None:
+            mine, sums = _signature(None, q, k, v, sinks, alibi_slopes, sharding, exchange, offset, backend,
+                                    kv_pieces), checksums(None, None, device)
+        rows = _agree(group, world_size, mine, device, *sums)
     if error is not None:
         raise error
     if world_size > 1:
