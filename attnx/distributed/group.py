@@ -1,6 +1,7 @@
 """The process group a call runs over: checked before any communication."""
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from ..errors import InvalidArgumentError, InvalidTypeError
@@ -26,3 +27,10 @@ def resolve_group(group):
 def global_rank(group, rank: int) -> int:
     """The default group's number of `group`'s rank `rank` (what point-to-point ops name peers by)."""
     return dist.get_global_rank(group, rank)
+
+
+def signature_device(group) -> torch.device:
+    """Where the small agreement tensors of a collective over `group` live: the current GPU for NCCL, else the CPU."""
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

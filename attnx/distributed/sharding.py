@@ -155,14 +155,6 @@ def shard_positions(rank: int, world_size: int, seqlen: int, *, sharding: str = 
     return torch.cat([torch.arange(c.position, c.position + c.length, device=device) for c in chunks])
 
 
-def _signature_device(group) -> torch.device:
-    import torch.distributed as dist
-
-    if "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def gather(x: torch.Tensor, *, group=None, sharding: str = "zigzag", dim: int = 2) -> torch.Tensor:
     """The full sequence on every rank from each rank's shard `x` (a collective; not differentiable).
 
@@ -178,9 +170,8 @@ def gather(x: torch.Tensor, *, group=None, sharding: str = "zigzag", dim: int = 
     """
     import torch.distributed as dist
 
-    from .group import resolve_group
-
     from .agreement import agree_or_raise, code
+    from .group import resolve_group, signature_device
 
     group, _, world_size = resolve_group(group)
     error, fields = None, {}
@@ -192,7 +183,7 @@ def gather(x: torch.Tensor, *, group=None, sharding: str = "zigzag", dim: int = 
     except Exception as e:  # noqa: BLE001 - told to the others first: none waits in, or dies of, the all-gather
         error, fields = e, dict.fromkeys(("shape", "dtype", "device", "dim", "sharding"), 0)
     if world_size > 1:
-        agree_or_raise(group, world_size, error, fields, "gather", _signature_device(group))
+        agree_or_raise(group, world_size, error, fields, "gather", signature_device(group))
     elif error is not None:
         raise error
     x = x.contiguous()

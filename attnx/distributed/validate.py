@@ -26,7 +26,7 @@ from ..problem import make_problem
 from ..registry import get_backend
 from .agreement import check_named_backend, slopes_checksum
 from .schedule import SOME, pairs
-from .group import resolve_group
+from .group import resolve_group, signature_device
 from .kv_pieces import kv_pieces as cut_pieces
 from .rule import EXCHANGES, check_kv_pieces, choose_exchange
 from .sharding import check_shard_length, check_sharding
@@ -132,9 +132,7 @@ def _agree(group, world_size: int, mine: list[int], device, *extra: torch.Tensor
 
 
 def _signature_device(group) -> torch.device:
-    if "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return signature_device(group)
 
 
 def checksums(alibi_slopes, sinks, device) -> list[torch.Tensor]:

@@ -228,7 +228,7 @@ def gather_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, *, group=None,
     import torch.distributed as dist
 
     from .agreement import agree_or_raise, code
-    from .group import resolve_group
+    from .group import resolve_group, signature_device
     from .sharding import SHARDINGS
 
     group, _, world_size = resolve_group(group)
@@ -244,7 +244,7 @@ def gather_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, *, group=None,
     except Exception as e:  # noqa: BLE001 - told to the others first: none waits in, or dies of, an all-gather
         error = e
     if world_size > 1:
-        agree_or_raise(group, world_size, error, fields, "gather_varlen", _group_device(group))
+        agree_or_raise(group, world_size, error, fields, "gather_varlen", signature_device(group))
     elif error is not None:
         raise error
     cus = [torch.empty(len(mine), dtype=torch.int64, device=device) for _ in range(world_size)]
@@ -258,14 +258,6 @@ def gather_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, *, group=None,
     shards = [t.narrow(0, 0, cu[-1]) for t, cu in zip(received, values)]
     return unshard_varlen(shards, [torch.tensor(cu, dtype=torch.int32, device=cu_seqlens.device) for cu in values],
                           sharding=sharding)
-
-
-def _group_device(group) -> torch.device:
-    import torch.distributed as dist
-
-    if "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _collective_device(group, x: torch.Tensor) -> torch.device:
