@@ -305,6 +305,9 @@ def _max_length(name: str, given, cu: torch.Tensor) -> int:
         if given < 0:
             raise InvalidArgumentError(f"`{name}` must be >= 0, got {given}")
         return given
+    if cu.is_meta:
+        raise InvalidArgumentError(f"`{name}` is needed for packed sequences whose offsets are meta tensors "
+                                   f"(their values cannot be read): pass it")
     # one host sync; at least 0 whatever the offsets hold (falling ones are refused where values are read)
     return max(int(cu.long().diff().max().item()), 0) if cu.numel() > 1 else 0
 
