@@ -245,7 +245,7 @@ def emulate(plan) -> None:
     """Write plan.out_k and plan.lse as fa_fwd.cu (VARLEN=1) does from `plan` (launch_varlen.prepare): the
     same blocks, clamped cu_seqlens, early exits, key blocks and masks, in float32. Reads and writes memory
     only through the records' pointers, strides and sizes (an offset outside a buffer raises)."""
-    from .cuda_decode import _at, _storage
+    from .decode_emulate import _at, _storage
 
     r = {name: plan.args[name].item() for name in plan.args.dtype.names}
     vr = {name: plan.varlen[name].item() for name in plan.varlen.dtype.names}
