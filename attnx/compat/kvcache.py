@@ -9,7 +9,7 @@ import torch
 from ..api import attention
 from ..errors import InvalidArgumentError, InvalidTypeError
 from ..index_checks import check_append, check_pages
-from ..kvcache import shares_memory
+from ..memory_overlap import shares_memory
 from ..problem import make_problem
 from .errors import CompatArgumentError
 from .flash_attn_args import options
