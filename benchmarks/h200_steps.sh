@@ -29,7 +29,7 @@ run_step() {  # name max_seconds command...
 for step in "$@"; do
     case "$step" in
     tests) run_step tests 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_deterministic.py \
-               tests/test_index_bounds.py tests/test_index_validation.py tests/test_kvcache_object.py \
+               tests/test_index_bounds.py tests/test_index_validation.py tests/test_kvcache_object.py tests/test_kvcache_gpu.py \
                tests/test_cuda_gpu.py tests/test_compat_torch_backend.py tests/test_call_memo.py \
                tests/test_gpu_integration.py tests/test_torch_declarations.py tests/test_compat_transformers.py ;;
     # this session's changes with GPU parts, quickly: the torch backend (training without lse), bounds,
