@@ -1,19 +1,19 @@
-"""The torch backend's NaN-row lse fix-up: cheaper ways, checked equal, then timed inside a training step.
+"""The torch backend's NaN-row lse fix-up: the ways, checked equal, then timed inside a training step.
 
-    python -m benchmarks.nan_fixup check             # every way against today's (CPU: Triton's interpreter)
+    python -m benchmarks.nan_fixup check             # every way against the ops (CPU: Triton's interpreter)
     python -m benchmarks.nan_fixup time              # on a GPU: 1k-token training steps, each way vs SDPA
 
-`backends/torch/cuda.py` `nan_rows_to_lse` was the gap between a 1k-token training step through attnx
-and the same step through SDPA-cuDNN on the H200 (2026-12-02 run 4: 2.05 / 1.75 / 2.10 ms per step
-against 1.43 / 1.19 / 0.93 for d64, d128, d128 causal; 1.60 / 1.31 / 1.09 with the fix-up skipped,
-which is wrong: benchmarks/results/h200-2026-12-02-run4/README.md). Its dozen small ops cost mostly
-host time (the `|q| @ ones` matrix-vector product alone ~70 us of host per call under cProfile).
-Candidates, each giving today's lse bit for bit (`check`):
+`backends/torch/cuda.py` `nan_rows_to_lse` in torch ops was the gap between a 1k-token training step
+through attnx and the same step through SDPA-cuDNN on the H200 (2026-12-02 run 4: 2.05 / 1.75 / 2.10 ms
+per step against 1.43 / 1.19 / 0.93 for d64, d128, d128 causal; 1.60 / 1.31 / 1.09 with the fix-up
+skipped, which is wrong: benchmarks/results/h200-2026-12-02-run4/README.md), mostly host time. Ways,
+each giving the same lse bit for bit (`check`):
 
-* ``ops``: today's (`nan_rows_to_lse`).
+* ``ops``: `nan_rows_by_ops` (about a dozen launches; the reference).
 * ``isnan-any``: ``isnan(t).any(-1)`` per tensor, GQA by broadcasting instead of `repeat_interleave`,
   causal by the first NaN key's index: 8 launches, no matrix product.
-* ``triton``: two Triton launches (`benchmarks/nan_fixup_triton.py`), lse marked in place.
+* ``triton``: two Triton launches (`backends/torch/nan_rows_triton.py`), lse marked in place; the
+  backend runs this one on CUDA since run 5 (2026-12-02: 0.94-0.97x SDPA's step against 0.74-0.88x).
 * ``none``: no fix-up (wrong; the floor the others are measured against).
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 import attnx
 from attnx.backends.torch import cuda as torch_cuda
-from attnx.backends.torch.cuda import nan_rows_to_lse, uses_is_causal
+from attnx.backends.torch.cuda import nan_rows_by_ops, uses_is_causal
 
 
 def by_isnan_any(p, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -42,12 +42,12 @@ def by_isnan_any(p, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor) -> torc
 
 
 def by_triton(p, q, k, lse):
-    from benchmarks.nan_fixup_triton import nan_rows_to_lse as marked
+    from attnx.backends.torch.nan_rows_triton import mark_nan_rows
 
-    return marked(uses_is_causal(p), q, k, lse.contiguous())
+    return mark_nan_rows(uses_is_causal(p), q, k, lse.contiguous())
 
 
-WAYS = {"ops": nan_rows_to_lse, "isnan-any": by_isnan_any, "triton": by_triton}
+WAYS = {"ops": nan_rows_by_ops, "isnan-any": by_isnan_any, "triton": by_triton}
 
 
 def _cases():
@@ -75,7 +75,7 @@ def check(device: str) -> bool:
             v = torch.empty_like(k)
             p = attnx.make_problem(q, k, v, causal=causal)
             lse = torch.randn(2, hq, s, generator=gen).to(device)
-            want = nan_rows_to_lse(p, q, k, lse.clone())
+            want = nan_rows_by_ops(p, q, k, lse.clone())
             for name, way in WAYS.items():
                 got = way(p, q, k, lse.clone())
                 same = torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(
@@ -83,7 +83,7 @@ def check(device: str) -> bool:
                 if not same:
                     ok = False
                     print(f"DIFFERS {name}: causal={causal} Hq={hq} Hkv={hkv} S={s} D={d} {dtype}")
-    print("every way gives today's lse" if ok else "some way differs")
+    print("every way gives the ops' lse" if ok else "some way differs")
     return ok
 
 
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=50)
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":  # read when the Triton kernels are defined (benchmarks/nan_fixup_triton.py)
+    if device == "cpu":  # read when the Triton kernels are defined (backends/torch/nan_rows_triton.py)
         os.environ["TRITON_INTERPRET"] = "1"
     if args.what == "check":
         return 0 if check(device) else 1

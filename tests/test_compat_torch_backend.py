@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from packaging.version import Version
 
 import attnx
 from attnx.inputs import Inputs
@@ -218,15 +219,20 @@ def test_cuda_training_keeps_nan_rows_as_the_formula_does(causal):
         assert (want | ~got).all(), f"{name}: NaN where the formula is finite"
 
 
-def test_nan_fixup_candidates_give_todays_lse():
-    """benchmarks/nan_fixup.py: cheaper whole fix-ups (fewer launches; two Triton kernels, run here by
-    Triton's interpreter) must mark exactly the rows `nan_rows_to_lse` marks: GQA, causal, NaN in q and
-    in keys at any position, infinities; bf16 and float32."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+def test_nan_fixup_ways_give_the_same_lse():
+    """benchmarks/nan_fixup.py: every fix-up way (the backend's two Triton kernels among them) must mark
+    exactly the rows `nan_rows_by_ops` marks: GQA, causal, NaN in q and in keys at any position,
+    infinities; bf16 and float32. Compiled kernels on a GPU; Triton's interpreter (3.9 or later: 3.6's
+    fails in these kernels, H200 image 2026-12-02) on a CPU."""
+    triton = pytest.importorskip("triton")
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        if Version(triton.__version__).release < (3, 9):
+            pytest.skip(f"Triton {triton.__version__}'s interpreter fails in these kernels")
+        env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.nan_fixup", "check"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "every way gives today's lse" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert proc.returncode == 0 and "every way gives the ops' lse" in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
 
 def test_nan_row_candidates_agree_on_nan_and_infinities(capsys):

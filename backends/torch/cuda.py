@@ -9,6 +9,8 @@ itself).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from attnx.autograd import alloc_out
@@ -135,10 +137,31 @@ def nan_rows_to_lse(p: Problem, q: torch.Tensor, k: torch.Tensor, lse: torch.Ten
     """`lse` with NaN in every row that sees a NaN in its q row or in a visible key.
 
     The fused kernels leave such rows' lse finite (H200, 2026-12-01, flash; their out is NaN, as
-    the contract says) where the contract's lse is NaN. The keys a row sees here are all of them,
-    or keys 0..i under causal with Sq == Sk (the only masks this path declares), so a running
-    "any" over the keys finds them; on the device, with no host synchronisation.
+    the contract says) where the contract's lse is NaN, and the backward needs it NaN. The keys a row
+    sees here are all of them, or keys 0..i under causal with Sq == Sk (the only masks this path
+    declares). On CUDA with Triton installed: two Triton launches (`nan_rows_triton`, measured
+    cheaper); otherwise `nan_rows_by_ops`. Either way on the device, with no host synchronisation.
     """
+    marker = _triton_marker() if lse.is_cuda else None
+    if marker is None:
+        return nan_rows_by_ops(p, q, k, lse)
+    lse = lse.contiguous()
+    with torch.cuda.device(lse.device):  # Triton launches on the current device
+        return marker(uses_is_causal(p), q, k, lse)
+
+
+@functools.cache
+def _triton_marker():
+    """`nan_rows_triton.mark_nan_rows`, or None where Triton is not installed (an optional extra)."""
+    try:
+        from .nan_rows_triton import mark_nan_rows
+    except ImportError:
+        return None
+    return mark_nan_rows
+
+
+def nan_rows_by_ops(p: Problem, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """`nan_rows_to_lse` in torch ops (any device): a running "any" over the keys a row sees."""
     key_nan = _rows_with_nan(k)                                              # (B, Hkv, Sk)
     if p.group_size > 1:
         key_nan = key_nan.repeat_interleave(p.group_size, dim=1)
@@ -146,7 +169,7 @@ def nan_rows_to_lse(p: Problem, q: torch.Tensor, k: torch.Tensor, lse: torch.Ten
         seen = key_nan.cumsum(-1).bool()                                      # keys 0..i, Sq == Sk
     else:
         seen = key_nan.any(-1, keepdim=True)
-    return lse.masked_fill(_rows_with_nan(q) | seen, float("nan"))  # few ops: each is host time at 1k tokens
+    return lse.masked_fill(_rows_with_nan(q) | seen, float("nan"))
 
 
 def _rows_with_nan(t: torch.Tensor) -> torch.Tensor:

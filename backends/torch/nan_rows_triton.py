@@ -1,10 +1,11 @@
-"""The torch backend's NaN-row lse fix-up as two Triton launches (a candidate; benchmarks/nan_fixup.py).
+"""The torch backend's NaN-row lse fix-up on CUDA in two Triton launches (`cuda.nan_rows_to_lse` runs it).
 
-`backends/torch/cuda.py` `nan_rows_to_lse` marks lse NaN in every row that sees a NaN in its q row or in
-a visible key (torch's fused kernels leave those rows' lse finite), with about a dozen torch ops: on the
-H200 (2026-12-02 run 4) that fix-up was the gap between a 1k-token training step through attnx and the
-same step through SDPA-cuDNN (2.05 / 1.75 / 2.10 ms against 1.43 / 1.19 / 0.93; 1.60 / 1.31 / 1.09
-with it skipped), mostly host time. Here the same marking takes two launches:
+torch's fused kernels leave lse finite in rows that see a NaN (their out is NaN, as the contract says);
+the contract's lse is NaN there, and the backward needs it (a row that sees a NaN key must make dk/dv
+NaN at that key). The same marking in torch ops (`cuda.nan_rows_by_ops`, the reference the tests hold
+this to) took a dozen launches, mostly host time: on the H200 (2026-12-02, B16 1k-token bf16 training
+steps) 0.74-0.88x SDPA-cuDNN's step with them, 0.94-0.97x with these two kernels, 0.97-1.00x with no
+fix-up at all (benchmarks/nan_fixup.py).
 
 1. `_first_nan_key`: per (batch, kv head) and chunk of keys, the first key index holding a NaN (Sk if
    none), written to a small (B * Hkv, chunks) int32 table;
@@ -72,7 +73,7 @@ def _mark_lse(q_ptr, first_ptr, lse_ptr, heads_q, heads_kv, seqlen_q, seqlen_k, 
     tl.store(lse_ptr + bh.to(tl.int64) * seqlen_q + rows, nan, mask=(rows < seqlen_q) & (q_bad | seen))
 
 
-def nan_rows_to_lse(causal: bool, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+def mark_nan_rows(causal: bool, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """`lse` (float32, contiguous (B, Hq, Sq)) with NaN, in place, in every row whose q row holds a NaN or
     that sees a key holding one (all keys; keys 0..i under causal with Sq == Sk). q, k: (B, H, S, D)."""
     batch, heads_q, seqlen_q, head_dim = q.shape
