@@ -13,7 +13,7 @@ each giving the same lse bit for bit (`check`):
 * ``isnan-any``: ``isnan(t).any(-1)`` per tensor, GQA by broadcasting instead of `repeat_interleave`,
   causal by the first NaN key's index: 8 launches, no matrix product.
 * ``triton``: two Triton launches (`backends/torch/nan_rows_triton.py`), lse marked in place; the
-  backend runs this one on CUDA since run 5 (2026-12-02: 0.94-0.97x SDPA's step against 0.74-0.88x).
+  backend runs this one on CUDA since run 5 (2026-12-02: 0.93-0.97x SDPA's step against 0.74-0.88x).
 * ``none``: no fix-up (wrong; the floor the others are measured against).
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ torch's fused kernels leave lse finite in rows that see a NaN (their out is NaN,
 the contract's lse is NaN there, and the backward needs it (a row that sees a NaN key must make dk/dv
 NaN at that key). The same marking in torch ops (`cuda.nan_rows_by_ops`, the reference the tests hold
 this to) took a dozen launches, mostly host time: on the H200 (2026-12-02, B16 1k-token bf16 training
-steps) 0.74-0.88x SDPA-cuDNN's step with them, 0.94-0.97x with these two kernels, 0.97-1.00x with no
+steps) 0.74-0.88x SDPA-cuDNN's step with them, 0.93-0.97x with these two kernels, 0.94-1.00x with no
 fix-up at all (benchmarks/nan_fixup.py).
 
 1. `_first_nan_key`: per (batch, kv head) and chunk of keys, the first key index holding a NaN (Sk if
