@@ -286,21 +286,18 @@ DEVI void write_rows(const float (&acc)[HD / 2], float scale, u32 rows, int warp
 }
 
 // This consumer's dQ part (rows of 64 queries x DQ_N columns, accumulator layout) added to dq_accum
-// with vector reductions; rows past Sq skipped. A thread holds two rows (row0, row0 + 8): their
-// addresses are formed once, so each reduction is a constant offset from one of two pointers and the
-// row test a predicate. Formed per element (64-bit multiply, a branch around each), the address
-// registers were rewritten while the previous reduction still read them: on the H200 (ncu source
-// counters, d128 16k, 2026-12-02) those long-scoreboard waits were a fifth of the kernel's stall samples.
+// with vector reductions; rows past Sq skipped.
 template <int DQ_N>
 DEVI void red_dq(const float (&dq)[DQ_N / 2], float* dq_head, int dq_row, int row0, int col0, int seqlen_q) {
-  float* const top = dq_head + (long long)row0 * dq_row + col0;
-  float* const bottom = top + 8LL * dq_row;
-  const bool top_in = row0 < seqlen_q, bottom_in = row0 + 8 < seqlen_q;
 #pragma unroll
-  for (int c = 0; c < DQ_N / 8; ++c) {
-    if (top_in) red_add_v2(top + c * 8, dq[4 * c], dq[4 * c + 1]);
-    if (bottom_in) red_add_v2(bottom + c * 8, dq[4 * c + 2], dq[4 * c + 3]);
-  }
+  for (int c = 0; c < DQ_N / 8; ++c)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + half * 8;
+      const int col = col0 + c * 8;
+      if (row < seqlen_q)
+        red_add_v2(dq_head + (long long)row * dq_row + col, dq[4 * c + 2 * half], dq[4 * c + 2 * half + 1]);
+    }
 }
 
 template <bool BF16, int HD, int BM, bool MOD, bool DQB, bool ORD>
@@ -449,8 +446,16 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
           if (consumer == 0) named_arrive(BATON_BARRIER, 256);
         named_sync(ORDER_BARRIER, 256);  // every reduction of this block issued before the release
         if (threadIdx.x == 128) pass_turn(sem);
-      } else {
-        red_dq<DQ_N>(dq, dq_head, p.dq_row, m0 + dq_row0 + warp_in_group * 16 + g, dq_col0 + 2 * t4, vis.seqlen_q);
+      } else {  // (the loop as it was, not red_dq: the default build's code stays byte-identical)
+#pragma unroll
+        for (int c = 0; c < DQ_N / 8; ++c)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int row = m0 + dq_row0 + warp_in_group * 16 + g + half * 8;
+            const int col = dq_col0 + c * 8 + 2 * t4;
+            if (row < vis.seqlen_q) red_add_v2(dq_head + (long long)row * p.dq_row + col, dq[4 * c + 2 * half],
+                                               dq[4 * c + 2 * half + 1]);
+          }
       }
     }
   }
