@@ -21,9 +21,9 @@ import torch
 import attnx
 from attnx.backends.naive.backend import NaiveBackend
 from attnx.conformance import check, run_case
-from attnx.conformance.bounds import (FLOAT32_ROUNDING_RULE, NAIVE_RULE, ROUNDING_C, ROUNDING_QUANTITIES,
-                                      ROUNDING_U, bound, float32_naive_bound, rounding_terms, ulp,
-                                      uses_naive_float32)
+from attnx.conformance.bounds import (FLOAT32_ROUNDING_RULE, MASK_DTYPE_RULE, NAIVE_RULE, ROUNDING_C,
+                                      ROUNDING_QUANTITIES, ROUNDING_U, bound, float32_naive_bound,
+                                      mask_dtype_rounding, rounding_terms, ulp, uses_naive_float32)
 from attnx.conformance.cases import Case
 from attnx.conformance.fuzz import case_from_dict
 from attnx.conformance.inputs import make_inputs
@@ -324,3 +324,27 @@ def test_half_precision_bound_floors_the_formula_error_at_one_ulp():
     assert bound("out", torch.float16, naive, ref, 0.01) == pytest.approx(0.02 + 1e-3)
     assert bound("out", torch.float16, naive, ref, 0.0) > 0.001953125
     assert bound("out", torch.float32, naive, ref, 0.0) == 1e-4  # float32 keeps its fixed bound
+
+
+MASK_DTYPE_CASES = [Case("bounds", "float32", 1, 2, 2, s, s + 3, 16, 16, mask="additive", mask_grad=True,
+                         mask_dtype=mask_dtype) for s in (2, 17) for mask_dtype in ("bfloat16", "float16")]
+
+
+@pytest.mark.parametrize("case", MASK_DTYPE_CASES, ids=[c.id for c in MASK_DTYPE_CASES])
+def test_dmask_in_a_coarser_mask_dtype_is_bounded_with_its_rounding(case):
+    """A bf16 or fp16 mask on float32 inputs: dmask comes back in the mask's dtype, so its rounding to
+    that dtype (bf16: ~6e-3 here) is part of the naive backend's result too (once E3): one ulp of the
+    mask's dtype at the largest |dmask| is added, and only to dmask."""
+    result = run_case("naive", case, "cpu")
+    assert result.status == "pass", result.summary()
+    if result.errors["dmask"] > 1e-4 * max(1.0, result.magnitudes["dmask"]):
+        assert result.bound_rules.get("dmask") == MASK_DTYPE_RULE
+    assert all(result.bound_rules.get(n) != MASK_DTYPE_RULE for n in result.bounds if n != "dmask")
+
+
+def test_mask_dtype_rounding_only_for_a_coarser_mask():
+    assert mask_dtype_rounding(torch.float32, torch.bfloat16, 3.0) == ulp(torch.bfloat16, 3.0) == 2.0 ** -6
+    assert mask_dtype_rounding(torch.float32, None, 3.0) == 0.0
+    assert mask_dtype_rounding(torch.float32, torch.float32, 3.0) == 0.0
+    assert mask_dtype_rounding(torch.float16, torch.float32, 3.0) == 0.0      # a finer mask: q's bound rules
+    assert mask_dtype_rounding(torch.float16, torch.bfloat16, 3.0) == ulp(torch.bfloat16, 3.0)

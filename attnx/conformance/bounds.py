@@ -40,6 +40,11 @@ All errors are max abs errors against a float64 evaluation of the formula on the
   1e-4; at D = 256 and scale 2.9 ~1e-3. For dq, dk, dmask and dsinks, the ``dP - delta`` allowance
   below with the same formula (float32 products are not exact, which ``sqrt(n) u`` covers loosely).
   Held to every backend, the naive one included (it is not circular, unlike 2 x naive's error).
+* dmask of an additive mask stored in a coarser dtype than q (a bf16 mask on float32 inputs): the
+  gradient comes back in the mask's dtype (autograd returns a leaf's gradient in its dtype), so its
+  rounding to that dtype is part of the result: one ulp of the mask's dtype at the largest reference
+  value is added (`mask_dtype_rounding`, the ``MASK_DTYPE_RULE``; it was E3 in docs/reliability.md:
+  bf16 rounding of up to 6e-3 against float32's 1e-4).
 * dsinks: sinks are float32 for every input dtype, so their gradient's bound is at least 1e-6
   (times its size) also for float64 inputs.
 * lse: 1e-6 (float64 inputs; lse is float32 for them), 1e-4 (float32), 1e-3 (float16/bfloat16),
@@ -86,6 +91,7 @@ ROUNDING_C = 2.0  # times sqrt(n) u: the rounding of one float32 dot product of 
 ROUNDING_QUANTITIES = ("dq", "dk", "dmask", "dsinks")  # the gradients that go through dS = P * (dP - delta)
 FLOAT32_ROUNDING_QUANTITIES = ("out", *ROUNDING_QUANTITIES)  # float32: bounded below by `rounding_terms` too
 FLOAT32_ROUNDING_RULE = "float32 rounding"  # Result.bound_rules' label for a bound that came from it
+MASK_DTYPE_RULE = "mask dtype rounding"  # ... for a dmask bound that includes its rounding to the mask's dtype
 
 
 def high_precision_tolerance(dtype: torch.dtype, backend) -> float:
@@ -112,6 +118,14 @@ def bound(name: str, dtype: torch.dtype, backend, ref: torch.Tensor, naive_low_e
     if name == "dsinks":  # sinks are float32 whatever the inputs' dtype: their gradient is float32 too
         tol = max(tol, 1e-6)
     return tol if name == "out" else tol * max(1.0, scale) + extra
+
+
+def mask_dtype_rounding(dtype: torch.dtype, mask_dtype: torch.dtype | None, magnitude: float) -> float:
+    """What rounding dmask to the mask's dtype adds to its error: one ulp of that dtype at the largest
+    reference value, when the mask's dtype is coarser than the inputs' (else 0)."""
+    if mask_dtype is None or torch.finfo(mask_dtype).eps <= torch.finfo(dtype).eps:
+        return 0.0
+    return ulp(mask_dtype, magnitude)
 
 
 def ulp(dtype: torch.dtype, value: float) -> float:

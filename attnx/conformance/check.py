@@ -14,10 +14,10 @@ from attnx.autograd import sum_to_shape
 from attnx.reference import attention_reference
 
 from . import formats
-from .bounds import (FLOAT32_ROUNDING_QUANTITIES, FLOAT32_ROUNDING_RULE, LOW_PRECISION, NAIVE_RULE,
-                     ROUNDING_QUANTITIES, bound, float32_naive_bound, max_abs_error, rounding_terms,
-                     uses_naive_float32)
-from .cases import Case
+from .bounds import (FLOAT32_ROUNDING_QUANTITIES, FLOAT32_ROUNDING_RULE, LOW_PRECISION, MASK_DTYPE_RULE,
+                     NAIVE_RULE, ROUNDING_QUANTITIES, bound, float32_naive_bound, mask_dtype_rounding,
+                     max_abs_error, rounding_terms, uses_naive_float32)
+from .cases import DTYPES, Case
 from .inputs import Inputs, make_inputs
 
 GRAD_NAMES = ("q", "k", "v", "mask", "sinks")
@@ -39,7 +39,7 @@ class Result:
     bounds: dict = field(default_factory=dict)      # quantity -> bound
     naive_low: dict = field(default_factory=dict)   # quantity -> error of the formula computed in the low dtype
     naive_acc32: dict = field(default_factory=dict)  # quantity -> error of the naive backend (float32 accumulation)
-    bound_rules: dict = field(default_factory=dict)  # quantity -> NAIVE_RULE or FLOAT32_ROUNDING_RULE (float32 bounds)
+    bound_rules: dict = field(default_factory=dict)  # quantity -> NAIVE_RULE, FLOAT32_ROUNDING_RULE or MASK_DTYPE_RULE
     magnitudes: dict = field(default_factory=dict)  # quantity -> max |finite reference value|
     scale: Optional[float] = None
     seconds: float = 0.0
@@ -330,6 +330,11 @@ def _run(result: Result, backend_name: str, case: Case, device, allow_extra_decl
             if rounding.get(name, 0.0) > b:
                 b = rounding[name]
                 result.bound_rules[name] = FLOAT32_ROUNDING_RULE
+        if not err <= b and math.isfinite(err) and name == "dmask" and case.mask_dtype:
+            extra = mask_dtype_rounding(case.torch_dtype, DTYPES[case.mask_dtype], result.magnitudes[name])
+            if extra > 0:
+                b += extra
+                result.bound_rules[name] = MASK_DTYPE_RULE
         result.bounds[name] = b
         if not err <= b:
             result.fail(f"{name} error {err:.3g} > bound {b:.3g}")

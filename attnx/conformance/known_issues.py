@@ -11,7 +11,6 @@ from typing import Callable, Optional
 
 import torch
 
-from .cases import DTYPES
 from .check import Result
 
 LOW = ("float16", "bfloat16")
@@ -45,17 +44,6 @@ def _within_ulps(result: Result, ulps: float = 2.0) -> bool:
                for n in over)
 
 
-def _mask_dtype_rounding(result: Result) -> bool:
-    """dmask comes back in the mask's dtype; when that is coarser than q's, its rounding alone can pass the
-    bound, which follows q's dtype."""
-    c = result.case
-    if not (c.mask_grad and c.mask_dtype) or _numeric_failures(result) != {"dmask"}:
-        return False
-    eps = torch.finfo(DTYPES[c.mask_dtype]).eps
-    return eps > torch.finfo(c.torch_dtype).eps and \
-        result.errors["dmask"] <= result.bounds["dmask"] + 2 * eps * max(1.0, result.magnitudes.get("dmask", 0.0))
-
-
 def _large_logit_gradients(result: Result) -> bool:
     over = _numeric_failures(result)
     return bool(result.case.large_logits and result.case.grad and over and over <= {"dq", "dk", "dsinks"})
@@ -86,9 +74,6 @@ KNOWN_ISSUES = (
     KnownIssue("E1", "low-precision result within 2 ulps of the largest reference value above the bound: the "
                      "bound's absolute 1e-3 slack is below one bf16/fp16 ulp for values above ~0.13/1",
                _within_ulps),
-    KnownIssue("E3", "dmask of an additive mask stored in a coarser dtype than q (e.g. a bf16 mask on float32 q): "
-                     "the gradient is returned in the mask's dtype, the bound follows q's; within 2 ulps of the mask "
-                     "dtype", _mask_dtype_rounding),
     KnownIssue("E4", "blocked backend: lse at |logits| = 1e4 with heavy cancellation in q.k, up to 4x over its "
                      "16-ulp bound (q scaled by scale * log2 e in float32 before the dot product)",
                _blocked_prescaled_lse),
