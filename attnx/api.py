@@ -1,6 +1,7 @@
 """The public entry points: `attention`, `explain` and `plan`."""
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -42,18 +43,30 @@ def empty_result(p: Problem, x):
     return empty_attention(p, x)
 
 
-def _execute(p: Problem, x, backend: Optional[str], memo_key: Optional[tuple] = None):
-    """Run `p`; a plain call's `memo_key` remembers which backend ran it (see `call_memo.Run`)."""
+def _execute(p: Problem, x, backend: Optional[str]):
+    """Run `p` (a call validated just now)."""
     if p.is_empty:
         if backend is not None:
             get_backend(backend)  # an unknown name is still an error
         return empty_result(p, x)
+    return run(p, choose(p, backend), x)
+
+
+def _forward(backend, p: Problem, q, k, v):
+    return backend.forward(p, Inputs(q, k, v))
+
+
+def _execute_remembered(p: Problem, q, k, v, backend: Optional[str], memo_key: tuple):
+    """Run the `Problem` of a plain call validated before, and remember which backend ran it (`call_memo.Run`)."""
+    if p.is_empty:
+        return _execute(p, Inputs(q, k, v), backend)
     allowed, stamp = allowed_backends(), generation()  # read before choosing: a later change misses
     chosen = choose(p, backend)
-    if memo_key is not None:
-        direct = p.layout == "bhsd" and not p.needs_grad
-        call_memo.remember(memo_key, call_memo.Run(p, backend, allowed, stamp, chosen, direct))
-    return run(p, chosen, x)
+    direct = None
+    if p.layout == "bhsd" and not p.needs_grad:  # `autograd.run` would call `forward` on q, k, v as given
+        direct = chosen.dense_forward(p) or functools.partial(_forward, chosen, p)
+    call_memo.remember(memo_key, _Run(p, backend, allowed, stamp, chosen, direct))
+    return direct(q, k, v) if direct is not None else run(p, chosen, Inputs(q, k, v))
 
 
 def attention(q, k, v, *, causal=False, window=None, offset=None, mask=None, scale=None, softcap=None,
@@ -126,12 +139,17 @@ def attention(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
             memo_key = known = None
         if (type(known) is _Run and known.forced == backend and known.generation == generation()
                 and known.allowed == allowed_backends()):
-            x = Inputs(q, k, v)
-            out, lse = known.backend.forward(known.problem, x) if known.direct else \
-                run(known.problem, known.backend, x)
+            direct = known.direct
+            out, lse = direct(q, k, v) if direct is not None else run(known.problem, known.backend, Inputs(q, k, v))
+            return (out, lse) if return_lse else out
+    if known is None and memo_key is not None:
+        p = call_memo.sibling(memo_key)
+        if p is not None:  # a new k/v length of a call validated before (a decode step): no validation again
+            call_memo.remember(memo_key, p)
+            out, lse = _execute(p, Inputs(q, k, v), backend)
             return (out, lse) if return_lse else out
     if known is not None:  # validated before: choose, run, and remember the Run from now on
-        out, lse = _execute(call_memo.problem_of(known), Inputs(q, k, v), backend, memo_key)
+        out, lse = _execute_remembered(call_memo.problem_of(known), q, k, v, backend, memo_key)
         return (out, lse) if return_lse else out
     _check_backend(backend)
     options = dict(causal=causal, window=window, offset=offset, mask=mask, scale=scale, softcap=softcap,

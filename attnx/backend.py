@@ -176,6 +176,14 @@ class Backend:
         """
         raise NotImplementedError(f"backend {self.name!r} did not implement forward")
 
+    def dense_forward(self, p: Problem):
+        """Override: `forward` of `p` as a function of ``(q, k, v)`` alone, or None (the default).
+
+        Asked once per remembered plain call (`attnx.call_memo.Run`: dense ``bhsd``, no mask, ALiBi or
+        gradients), which then runs it instead of `forward` with an `Inputs`; it computes what `forward` does.
+        """
+        return None
+
     def backward(self, p: Problem, x: Inputs, out, lse, dout) -> Grads:
         """Return the `Grads` of the forward's differentiable inputs (`attnx.Grads` says which)."""
         raise NotImplementedError(f"backend {self.name!r} did not implement backward")

@@ -15,13 +15,17 @@ ATTNX_BACKEND restriction and the registry's generation). A later call whose dis
 unchanged runs that backend without the options dict, `make_call` or the dispatcher; one dict
 lookup serves every path (a decode loop whose Sk grows never repeats a key and pays for no Run).
 
+Such a decode step is a sibling (`sibling`): its key differs from a validated one only in k's and
+v's sequence length, so it takes that Problem with ``seqlen_k`` replaced, without validating again,
+and the dispatcher decides for it as for any new problem.
+
 Why: a small CPU call (B=1, H=8, S=128, D=64) spends about 300 µs in the kernel, which leaves
 the caches cold for the Python that follows; full validation then costs 25-35 µs, the lookup
 below a few (benchmarks/results/cpu-2026-12-01-overhead2 and -overhead3).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -39,7 +43,9 @@ class Run(NamedTuple):
     allowed: Optional[tuple]  # `selection.allowed_backends()` when it was chosen
     generation: int          # `registry.generation()` when it was chosen
     backend: object          # the backend object `dispatch.choose` returned
-    direct: bool             # `backend.forward(problem, Inputs(q, k, v))` is the whole call (bhsd, no grads)
+    # bhsd without gradients: the whole call as ``direct(q, k, v) -> (out, lse)`` (`Backend.dense_forward`,
+    # else `backend.forward` with an `Inputs`); None: `autograd.run`
+    direct: Optional[Callable]
 
 
 _NOT_PLAIN = (None, None)
@@ -70,6 +76,46 @@ def lookup(q, k, v, layout, causal, scale, deterministic=None, wants_lse=True) -
     return key, _memo.get(key)
 
 
+# -- siblings: a call never seen whose key differs from a validated one only in k's and v's length ----------
+_siblings: dict = {}  # sibling key -> a `Problem` validated for a key of that family (any key length)
+
+
+def _sibling_key(key: tuple) -> Optional[tuple]:
+    """The key without k's and v's sequence length: the one field a decode step changes. None unless k and
+    v are 4-D with one length (any other pair takes the full path, which raises for a mismatch)."""
+    k_shape, v_shape = key[1], key[2]
+    if len(k_shape) != 4 or len(v_shape) != 4:
+        return None
+    seq, heads = (1, 2) if key[12] == "bshd" else (2, 1)
+    if v_shape[seq] != k_shape[seq]:
+        return None
+    return (key[0], k_shape[0], k_shape[heads], k_shape[3], v_shape[0], v_shape[heads], v_shape[3]) + key[3:]
+
+
+def sibling(key: tuple):
+    """The `Problem` of a key never seen whose sibling (`_sibling_key`) was validated, else None.
+
+    Of a plain call's k and v lengths `make_call` checks only that they are equal, and the `Problem`
+    holds them only as ``seqlen_k``: the sibling's Problem with that field replaced is what validating
+    again would give (tests/test_call_overhead_siblings.py compares them)."""
+    sibling_key = _sibling_key(key)
+    known = None if sibling_key is None else _siblings.get(sibling_key)
+    if known is None:
+        return None
+    seqlen_k = key[1][1 if key[12] == "bshd" else 2]
+    return known if known.seqlen_k == seqlen_k else known.with_seqlen_k(seqlen_k)
+
+
+def remember_validated(key: tuple, problem) -> None:
+    """Remember the `Problem` `make_call` validated for a plain call's key, for its siblings too."""
+    remember(key, problem)
+    sibling_key = _sibling_key(key)
+    if sibling_key is not None:
+        if len(_siblings) >= _LIMIT:
+            _siblings.clear()
+        _siblings[sibling_key] = problem
+
+
 def problem_of(entry):
     """The `Problem` of a remembered entry (a Problem, or a Run holding one); None for None."""
     return entry.problem if type(entry) is Run else entry
@@ -94,3 +140,4 @@ def runs() -> list:
 
 def clear() -> None:
     _memo.clear()
+    _siblings.clear()

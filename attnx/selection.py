@@ -52,6 +52,8 @@ def allowed_backends() -> Optional[tuple[str, ...]]:
     allowed = _allowed.get()
     if allowed is not None:
         return allowed
+    if _ENV_KEY is not None and _ENV_KEY not in _ENV_STORE and os.environ is _ENVIRON:
+        return None  # ATTNX_BACKEND unset, the common case: one lookup, no call
     env = _environment_value()
     if not env:
         return None

@@ -101,6 +101,9 @@ class TorchBackend(Backend):
             return _cpu_forward(p, x)
         return cuda.forward(p, x)
 
+    def dense_forward(self, p: Problem):
+        return cpu.dense_forward(p) if p.device_type == "cpu" else None
+
     def backward(self, p: Problem, x: Inputs, out, lse, dout) -> Grads:
         return (cuda if p.device_type == "cuda" else cpu).backward(p, x, out, lse, dout)
 

@@ -17,6 +17,8 @@ Where the contract and the kernel differ, this module adjusts:
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 
 import torch
@@ -67,19 +69,30 @@ def _in_caller_layout(p: Problem, out: torch.Tensor) -> bool:
     return (out.transpose(1, 2) if p.layout == "bshd" else out).is_contiguous()
 
 
-def _caller_out(p: Problem, x: Inputs, out_k: torch.Tensor) -> torch.Tensor:
+def _caller_out(p: Problem, q: torch.Tensor, out_k: torch.Tensor) -> torch.Tensor:
     if _in_caller_layout(p, out_k):
         return out_k
-    out = alloc_out(p, x.q)
+    out = alloc_out(p, q)
     out.copy_(out_k)
     return out
 
 
+# lse up to this many values is read back and checked in Python: one `tolist` costs less than the two
+# ops and the read-back below right after a kernel (decode: 4 against 20 µs; measured, 2026-12-02)
+_SMALL_LSE = 128
+_flatten = itertools.chain.from_iterable
+_isfinite = math.isfinite
+
+
 def _suspect(lse: torch.Tensor) -> bool:
-    """Whether `lse` holds a NaN, an infinity or an exact 0: what the kernel leaves for rows that met a NaN
-    or an infinity in q or k (a row that sees a key otherwise has a finite lse, 0 only by coincidence,
-    which costs an exact check and no more). Three small ops over (B, Hq, Sq)."""
-    return not math.isfinite(float(lse.reciprocal().add_(lse).sum()))
+    """Whether `lse` (B, Hq, Sq) holds a NaN, an infinity or an exact 0: what the kernel leaves for rows
+    that met a NaN or an infinity in q or k (a row that sees a key otherwise has a finite lse, 0 only by
+    coincidence, which costs an exact check and no more)."""
+    if lse.numel() <= _SMALL_LSE:
+        values = list(_flatten(_flatten(lse.tolist())))
+        return 0.0 in values or not _isfinite(sum(values))  # a sum that overflows: the exact check
+    # x / x is 1 for every finite nonzero x, NaN for 0, an infinity or a NaN
+    return not _isfinite(float(lse.div(lse).sum()))
 
 
 def _fix_nonfinite(p: Problem, x: Inputs, q, k, out, lse) -> None:
@@ -88,41 +101,62 @@ def _fix_nonfinite(p: Problem, x: Inputs, q, k, out, lse) -> None:
         nonfinite.fix_forward(p, x, out, lse, batches)
 
 
-def _plain(p: Problem, x: Inputs) -> bool:
+def _plain_rule(p: Problem) -> bool:
     """Full attention, or causal with Sq == Sk and no offset: the kernel's own `is_causal` (or nothing)
-    says it, no mask is built and every row sees a key."""
+    says it, and without a mask no mask is built and every row sees a key."""
     right = p.window_right
-    return x.mask is None and p.window_left is None and (
-        right is None or (right == 0 and p.seqlen_q == p.seqlen_k and not p.offset))
+    return p.window_left is None and (right is None or (right == 0 and p.seqlen_q == p.seqlen_k and not p.offset))
+
+
+def _plain(p: Problem, x: Inputs) -> bool:
+    return x.mask is None and _plain_rule(p)
 
 
 def _default_scale(p: Problem) -> bool:
     return p.head_dim < 1025 and p.scale == _DEFAULT_SCALES[p.head_dim]
 
 
+def dense_forward(p: Problem):
+    """`forward` of `p` without a mask as ``f(q, k, v)`` where `_plain` holds it, else None
+    (`Backend.dense_forward`: a remembered plain call runs it without building `Inputs`)."""
+    return functools.partial(plain_forward, p) if _plain_rule(p) else None
+
+
+def plain_forward(p: Problem, q, k, v):
+    """`forward` where `_plain` holds: full attention or causal with Sq == Sk (top-left and bottom-right
+    agree), no mask to build, every row sees a key, no -inf that could hide a NaN (`kernel_mask` gives the same).
+
+    Every line here runs on every call, right after the previous kernel left the caches cold, where each
+    torch binding call costs µs (benchmarks/results/cpu-2026-12-01-overhead4): `stride()` over `stride(-1)`,
+    positional arguments where the scale is the kernel's default (its keyword parsing costs ~5 µs there).
+    """
+    qk, kk, vk = q, k, v
+    if q.stride()[-1] != 1 or k.stride()[-1] != 1 or v.stride()[-1] != 1:
+        qk, kk, vk = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    flash = _FLASH_CPU or _flash_cpu()
+    is_causal = p.window_right is not None
+    head_dim = p.head_dim
+    if head_dim < 1025 and p.scale == _DEFAULT_SCALES[head_dim]:
+        out_k, lse = flash(qk, kk, vk, 0.0, is_causal)
+    else:
+        out_k, lse = flash(qk, kk, vk, 0.0, is_causal, scale=p.scale)
+    if p.dtype is _FLOAT64:
+        lse = lse.float()  # the contract's lse is float32
+    out = out_k if p.layout == "bhsd" and out_k.is_contiguous() else _caller_out(p, q, out_k)
+    if _suspect(lse):
+        _fix_nonfinite(p, Inputs(q, k, v), qk, kk, out, lse)
+    return out, lse
+
+
 def forward(p: Problem, x: Inputs):
+    if _plain(p, x):
+        return plain_forward(p, x.q, x.k, x.v)
     q, k, v = x.q, x.k, x.v
-    # Every line here runs on every call, right after the previous kernel left the caches cold, where each
-    # torch binding call costs µs (benchmarks/results/cpu-2026-12-01-overhead4): `stride()` over `stride(-1)`.
     if q.stride()[-1] != 1 or k.stride()[-1] != 1 or v.stride()[-1] != 1:
         q, k, v = _operands(x)
-    if _plain(p, x):
-        # full attention or causal with Sq == Sk (top-left and bottom-right agree): no mask to build,
-        # every row sees a key, no -inf that could hide a NaN (`kernel_mask` gives the same). Positional
-        # arguments where the scale is the kernel's default: its keyword parsing costs ~5 µs there.
-        is_causal = p.window_right is not None
-        if _default_scale(p):
-            out_k, lse = _flash_cpu()(q, k, v, 0.0, is_causal)
-        else:
-            out_k, lse = _flash_cpu()(q, k, v, 0.0, is_causal, scale=p.scale)
-        lse = lse.float() if p.dtype is _FLOAT64 else lse  # the contract's lse is float32
-        out = out_k if p.layout == "bhsd" and out_k.is_contiguous() else _caller_out(p, x, out_k)
-        if _suspect(lse):
-            _fix_nonfinite(p, x, q, k, out, lse)
-        return out, lse
     km = kernel_mask(p, x.mask, q)
     out_k, lse_k = _kernel_forward(p, q, k, v, km)
-    out = _caller_out(p, x, out_k)
+    out = _caller_out(p, x.q, out_k)
     # the kernel's own buffer (float64 inputs: a float32 copy), written below; `.to` costs ~10 µs even as a no-op
     lse = lse_k.float() if p.dtype is _FLOAT64 else lse_k
     dead = None if km.mask is None else dead_rows(km, p.seqlen_q)  # top-left is_causal hides no whole row
