@@ -52,6 +52,22 @@ def test_nan_in_one_key_makes_exactly_the_rows_that_see_it_nan(backend):
     assert torch.isfinite(out[0, 0, ~rows_seeing_key3]).all() and torch.isfinite(out[0, 1]).all()
 
 
+@pytest.mark.parametrize("backend", _cpu_backends("supports_backward"))
+@pytest.mark.parametrize("causal", [False, True])
+def test_an_infinite_score_makes_its_row_nan_and_its_lse_not_finite(backend, causal):
+    """docs/semantics.md: a +inf score (an infinity in q or k, no NaN) makes the row's out NaN as the
+    formula does; lse is +inf or NaN, never finite; a -inf score is a key the row does not see."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)
+    q[0, 0, 4, 0], k[0, 0, :, 0] = float("inf"), torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, -1.0])
+    out, lse = attnx.attention(q, k, v, causal=causal, return_lse=True, backend=backend)
+    want = attnx.attention(q.double(), k.double(), v.double(), causal=causal, backend="naive")
+    assert torch.isnan(out[0, 0, 4]).all() and not torch.isfinite(lse[0, 0, 4])
+    assert torch.equal(torch.isnan(out), torch.isnan(want))
+    assert torch.isfinite(lse[0, 0, :4]).all() and torch.isfinite(lse[0, 0, 5]).all()
+    torch.testing.assert_close(out[0, 0, :4], want[0, 0, :4].float(), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("shape_q, shape_k", [((0, 2, 5, 8), (0, 2, 7, 8)), ((1, 0, 5, 8), (1, 0, 7, 8)),
                                               ((1, 2, 0, 8), (1, 2, 7, 8)), ((1, 2, 5, 8), (1, 2, 0, 8))],
                          ids=["batch0", "heads0", "sq0", "sk0"])
