@@ -316,3 +316,34 @@ def test_cpu_plain_path_backward_matches_the_formula(seqlen, causal, scale, nan,
         assert torch.equal(torch.isnan(got), torch.isnan(want)), name
         finite = ~torch.isnan(want)
         assert torch.allclose(got[finite], want[finite], atol=tol, rtol=tol), name
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_nan_row_kernels_compile_for_nvidia_targets(arch):
+    """The torch backend's two NaN-row kernels (backends/torch/nan_rows_triton.py) compile ahead of time
+    for sm_80 and sm_90 (no GPU needed) at every head-dim tile, both dtypes, causal or not."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from attnx.backends.torch import nan_rows_triton as kernels
+
+    strides = {"stride_b": "i64", "stride_h": "i64", "stride_s": "i64", "stride_d": "i32"}
+    target = GPUTarget("cuda", arch, 32)
+    for dtype in ("bf16", "fp16"):
+        for block_d in (16, 64, 128, 256):
+            first = {"k_ptr": f"*{dtype}", "first_ptr": "*i32", "heads_kv": "i32", "seqlen_k": "i32",
+                     "head_dim": "i32", "chunk": "i32", "chunks": "i32", **strides,
+                     "BLOCK_N": "constexpr", "BLOCK_D": "constexpr"}
+            compiled = triton.compile(ASTSource(kernels._first_nan_key, first,
+                                                {"BLOCK_N": kernels.BLOCK_N, "BLOCK_D": block_d}), target=target)
+            assert compiled.asm.get("cubin")
+            for causal in (False, True):
+                mark = {"q_ptr": f"*{dtype}", "first_ptr": "*i32", "lse_ptr": "*fp32", "heads_q": "i32",
+                        "heads_kv": "i32", "seqlen_q": "i32", "seqlen_k": "i32", "head_dim": "i32", "chunks": "i32",
+                        **strides, "CAUSAL": "constexpr", "BLOCK_M": "constexpr", "BLOCK_D": "constexpr",
+                        "CHUNKS": "constexpr"}
+                constants = {"CAUSAL": causal, "BLOCK_M": kernels.BLOCK_M, "BLOCK_D": block_d,
+                             "CHUNKS": kernels.MAX_CHUNKS}
+                compiled = triton.compile(ASTSource(kernels._mark_lse, mark, constants), target=target)
+                assert compiled.asm.get("cubin")
