@@ -131,7 +131,8 @@ def test_float32_out_rounding_allowance_is_small_on_ordinary_inputs_and_large_at
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 2, 128, 64), torch.randn(1, 2, 128, 64), torch.randn(1, 2, 128, 64)
     ordinary = rounding_terms(q, k, v, None, scale=64 ** -0.5)
-    assert set(ordinary) == {"out"} and 1e-6 < ordinary["out"] < 3e-5
+    assert set(ordinary) == {"out", "lse"} and 1e-6 < ordinary["out"] < 3e-5
+    assert ordinary["lse"] < 1e-5  # far below lse's fixed 1e-4 (float32 inputs)
     q, k, v = torch.randn(1, 2, 9, 256), torch.randn(1, 2, 255, 256), torch.randn(1, 2, 255, 256)
     large = rounding_terms(q, k, v, None, scale=2.875)["out"]
     assert 1e-4 < large < 1e-2
@@ -299,7 +300,7 @@ FORMATS = [Case("bounds", "float16", 3, 4, 2, 9, 12, 16, 16, sinks=True, q_forma
 
 @pytest.mark.parametrize("case", FORMATS, ids=[c.id for c in FORMATS])
 def test_allowance_in_every_format(case):
-    """The checker computes the allowance per sequence for packed formats, out's for every case, dmask's
+    """The checker computes the allowance per sequence for packed formats, out's and lse's for every case, dmask's
     and dsinks' when the case has them, none for float64; only once a quantity is over its bound
     without it (these cases pass without: none is computed)."""
     result = run_case("naive", case, "cpu")
@@ -307,8 +308,8 @@ def test_allowance_in_every_format(case):
     inputs, twin = make_inputs(case, "cpu")
     _, views64 = twin(torch.float64, False)
     terms = check._rounding_allowances(case, inputs, views64, inputs.scale or case.head_dim ** -0.5)
-    want = set() if case.torch_dtype == torch.float64 else {"out"} if not case.grad else \
-        {"out", "dq", "dk"} | ({"dmask"} if case.mask_grad else set()) | ({"dsinks"} if case.sinks else set())
+    want = set() if case.torch_dtype == torch.float64 else {"out", "lse"} if not case.grad else \
+        {"out", "lse", "dq", "dk"} | ({"dmask"} if case.mask_grad else set()) | ({"dsinks"} if case.sinks else set())
     assert set(terms) == want
     assert all(0 < t < 2e-4 for t in terms.values()), terms  # dmask: summed over Hq x Sq
 

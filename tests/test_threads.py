@@ -14,7 +14,7 @@ Modes: a forced backend (naive, blocked), the dispatcher's own choice, and `attn
 same harness in a subprocess (its launches are serialised by the triton launcher: R2).
 
 A failure counts only when it is new: a result the fuzzer's `KNOWN_ISSUES` explain (the error
-model's E1, E2, E4) must fail the same way when the problem runs alone.
+model's E1, E2) must fail the same way when the problem runs alone.
 """
 from __future__ import annotations
 

@@ -49,7 +49,11 @@ All errors are max abs errors against a float64 evaluation of the formula on the
   (times its size) also for float64 inputs.
 * lse: 1e-6 (float64 inputs; lse is float32 for them), 1e-4 (float32), 1e-3 (float16/bfloat16),
   each plus ``2**-20 * max |lse|``: 16 float32 ulps, since a float32 lse cannot resolve 1e-3
-  once |lse| passes 8192 (large-logit cases reach 1e4).
+  once |lse| passes 8192 (large-logit cases reach 1e4). Past that, for every input dtype but
+  float64, the logits' float32 rounding through the logsumexp: ``max_i sum_j P[i, j] err_s[i, j]``
+  with the ``err_s`` of the float32 rule below (`uses_rounding_alternative`). It matters only where
+  ``scale * |q| . |k|`` is huge beside the logit (it was E4: the blocked backend, which scales q
+  before the dot product, 0.0195 off at a logit of -1e4 where ``scale * |q| . |k|`` was 7.1e5).
 * The float32 rounding of ``dP - delta`` (float16 and bfloat16 inputs; dq, dk, dmask, dsinks):
   every backward takes the difference of two float32 dot products, ``dP = dout_i . v_j`` and
   ``delta_i = dout_i . out_i``, whose rounding depends on the summation order (a tensor-core MMA
@@ -148,7 +152,7 @@ def rounding_terms(q, k, v, dout, *, scale, softcap=None, alibi_slopes=None, mas
     one dense problem, in float64.
 
     ``q``, ``k``, ``v``, ``dout`` are ``(B, H, S, D)`` (GQA: fewer kv heads; ``dout`` None for a forward);
-    the rest as `attnx.reference.scores` takes them. Returns {"out": max, and with ``dout``: "dq": max,
+    the rest as `attnx.reference.scores` takes them. Returns {"out": max, "lse": max, and with ``dout``: "dq": max,
     "dk": max, "dS": err_dS ``(B, Hq, Sq, Sk)`` (dmask: sum it to the mask's shape), "dsinks": per-head
     sums ``(Hq,)`` or None}; the caller adds sequences' dsinks up and takes maxima. Costs about one
     float64 forward + backward.
@@ -180,7 +184,8 @@ def rounding_terms(q, k, v, dout, *, scale, softcap=None, alibi_slopes=None, mas
     err_s = (ROUNDING_C * math.sqrt(q.shape[-1]) * ROUNDING_U * abs(scale) * (q_abs @ k_abs.transpose(-2, -1))
              + 2 * ROUNDING_U * torch.nan_to_num(s.abs(), nan=0.0, posinf=0.0))
     p_err = p * err_s
-    terms = {"out": _max(p_err @ v_abs + p_err.sum(-1, keepdim=True) * out.abs())}
+    # lse moves by P_ij per unit of s_ij: its rounding is the P-weighted sum of the logits' (sinks are exact)
+    terms = {"out": _max(p_err @ v_abs + p_err.sum(-1, keepdim=True) * out.abs()), "lse": _max(p_err.sum(-1))}
     if dout is None:
         return terms
     dout_abs = torch.nan_to_num(dout.abs(), nan=0.0)
@@ -197,6 +202,15 @@ def rounding_terms(q, k, v, dout, *, scale, softcap=None, alibi_slopes=None, mas
         p_sink = torch.where(dead, torch.zeros_like(lse), torch.exp(with_sink[..., -1:] - lse))
         dsinks = (unit * torch.nan_to_num(p_sink, nan=0.0) * delta_abs).sum(dim=(0, 2, 3))
     return {**terms, "dq": _max(dq), "dk": _max(dk), "dS": err_ds, "dsinks": dsinks}
+
+
+def uses_rounding_alternative(name: str, dtype: torch.dtype) -> bool:
+    """Whether quantity `name` over its bound may still pass within its float32 rounding (`rounding_terms`):
+    out and the gradients through dS for float32 inputs, and lse for every input dtype but float64 (lse is
+    float32 for all of them, and so is the arithmetic of its logits)."""
+    if name == "lse":
+        return dtype != torch.float64
+    return dtype == torch.float32 and name in FLOAT32_ROUNDING_QUANTITIES
 
 
 def uses_naive_float32(name: str, dtype: torch.dtype, backend_name: str) -> bool:

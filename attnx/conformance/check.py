@@ -16,7 +16,7 @@ from attnx.reference import attention_reference
 from . import formats
 from .bounds import (FLOAT32_ROUNDING_QUANTITIES, FLOAT32_ROUNDING_RULE, LOW_PRECISION, MASK_DTYPE_RULE,
                      NAIVE_RULE, ROUNDING_QUANTITIES, bound, float32_naive_bound, mask_dtype_rounding,
-                     max_abs_error, rounding_terms, uses_naive_float32)
+                     max_abs_error, rounding_terms, uses_naive_float32, uses_rounding_alternative)
 from .cases import DTYPES, Case
 from .inputs import Inputs, make_inputs
 
@@ -124,7 +124,7 @@ def _formula(case: Case, inputs: Inputs, views: dict, scale: float, compute_dtyp
 
 
 def _rounding_allowances(case: Case, inputs: Inputs, views: dict, scale: float) -> dict:
-    """{quantity: its `rounding_terms` allowance (bounds.py)} from the float64 views: out, and the
+    """{quantity: its `rounding_terms` allowance (bounds.py)} from the float64 views: out and lse, and the
     ROUNDING_QUANTITIES that the case has when it has gradients; {} for float64 cases."""
     if case.torch_dtype == torch.float64:
         return {}
@@ -149,7 +149,7 @@ def _rounding_allowances(case: Case, inputs: Inputs, views: dict, scale: float) 
             if alibi is not None and alibi.dim() == 2:
                 alibi = alibi[b:b + 1]
             parts.append(rounding_terms(q, k, v, douts[b], scale=scale, alibi_slopes=alibi, **kw))
-    terms = {"out": max((t["out"] for t in parts), default=0.0)}
+    terms = {n: max((t[n] for t in parts), default=0.0) for n in ("out", "lse")}
     if dout is None:
         return terms
     terms.update(dq=max((t["dq"] for t in parts), default=0.0), dk=max((t["dk"] for t in parts), default=0.0))
@@ -162,7 +162,7 @@ def _rounding_allowances(case: Case, inputs: Inputs, views: dict, scale: float) 
     if case.sinks:
         sums = [t["dsinks"] for t in parts if t["dsinks"] is not None]
         terms["dsinks"] = float(torch.stack(sums).sum(0).max()) if sums and sums[0].numel() else 0.0
-    return {n: t for n, t in terms.items() if n in FLOAT32_ROUNDING_QUANTITIES}
+    return {n: t for n, t in terms.items() if n in FLOAT32_ROUNDING_QUANTITIES or n == "lse"}
 
 
 def _errors(out, grads: dict, ref_out, ref_grads: dict) -> dict:
@@ -323,8 +323,7 @@ def _run(result: Result, backend_name: str, case: Case, device, allow_extra_decl
             fixed, b = b, float32_naive_bound(b, naive32.get(name))
             if b > fixed:
                 result.bound_rules[name] = NAIVE_RULE
-        if not err <= b and math.isfinite(err) and case.torch_dtype == torch.float32 \
-                and name in FLOAT32_ROUNDING_QUANTITIES:
+        if not err <= b and math.isfinite(err) and uses_rounding_alternative(name, case.torch_dtype):
             if rounding is None:
                 rounding = result.rounding = _rounding_allowances(case, inputs, views64, p.scale)
             if rounding.get(name, 0.0) > b:
