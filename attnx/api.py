@@ -134,7 +134,7 @@ def attention(q, k, v, *, causal=False, window=None, offset=None, mask=None, sca
             and max_seqlen_k is None and seqlens_k is None and page_table is None
             and (backend is None or type(backend) is str) and not _is_compiling()):
         try:
-            memo_key, known = call_memo.lookup(q, k, v, layout, causal, scale, deterministic, return_lse)
+            memo_key, known = call_memo.lookup(q, k, v, layout, causal, scale, deterministic, return_lse, backend)
         except RuntimeError:  # a tensor without sizes (nested): `make_call` raises the typed error
             memo_key = known = None
         if (type(known) is _Run and known.forced == backend and known.generation == generation()

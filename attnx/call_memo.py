@@ -51,10 +51,13 @@ class Run(NamedTuple):
 _NOT_PLAIN = (None, None)
 
 
-def lookup(q, k, v, layout, causal, scale, deterministic=None, wants_lse=True) -> tuple:
+def lookup(q, k, v, layout, causal, scale, deterministic=None, wants_lse=True, backend=None) -> tuple:
     """``(key, entry)`` of a call whose other arguments are all None, or ``(None, None)`` when it is
     not plain: its memo key and what is remembered for it (its `Problem`, a `Run` the caller
-    checks, or None). One frame for both: `attnx.attention` runs this on every plain call."""
+    checks, or None). One frame for both: `attnx.attention` runs this on every plain call.
+
+    The key holds the forced `backend` name (None or a str) too: a call site forcing a backend and
+    one that does not, alternating on one signature, each keep their own Run."""
     if type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor:
         return _NOT_PLAIN  # subclasses (Parameters, fake or wrapper tensors) take the full path
     if causal is not True and causal is not False:
@@ -72,7 +75,7 @@ def lookup(q, k, v, layout, causal, scale, deterministic=None, wants_lse=True) -
                  deterministic is True or torch.are_deterministic_algorithms_enabled())
     # the tensors' layouts too: a sparse q of a remembered shape must meet the full path's typed error
     key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.layout, k.layout,
-           v.layout, layout, causal, scale, grads, wants_lse is True)
+           v.layout, layout, causal, scale, grads, wants_lse is True, backend)
     return key, _memo.get(key)
 
 
