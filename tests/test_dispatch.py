@@ -235,6 +235,24 @@ def test_a_bucket_hit_the_chosen_backend_declines_is_decided_again(clean_registr
     torch.testing.assert_close(out, attnx.attention(q, k2, k2, causal=True, backend="naive"))
 
 
+@pytest.mark.xfail(strict=True, reason="D2 (open, docs/reliability.md): a bucket's fallback, chosen when a higher "
+                                        "backend declined one exact length, keeps running lengths that backend accepts")
+def test_the_backend_that_runs_does_not_depend_on_earlier_calls(clean_registry, make_spy):
+    """Dispatch is a function of the signature (docs/semantics.md): within one length bucket, a length the
+    top backend declines (Sq != Sk) must not change which backend runs a later length it accepts."""
+    def square_only(self, p):
+        """Only Sq == Sk."""
+        return [] if p.seqlen_q == p.seqlen_k else ["Sq != Sk"]
+
+    square = attnx.register_backend(make_spy("square", priority={"*": 1000}, extra_reasons=square_only))
+    attnx.register_backend(make_spy("other", priority={"*": 999}))
+    for sq, sk in ((500, 500), (500, 510), (505, 505)):  # one bucket (512 x 512)
+        q, k = torch.randn(1, 2, sq, 16), torch.randn(1, 2, sk, 16)
+        attnx.attention(q, k, k, causal=True)
+    assert attnx.explain(q, k, k, causal=True).chosen == "square"
+    assert square.calls.count("forward") == 2  # (500, 500) and (505, 505)
+
+
 def test_priority_tables_order_backends(clean_registry, make_spy, qkv):
     q, k, v = qkv(sq=512, sk=512)  # large enough that naive's small-problem rule is off
     default = attnx.explain(q, k, v).chosen
