@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-sweep decode-splits varlen-cuda reliability splitwait replay recheck nan-fixup
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels decode-sweep decode-splits varlen-cuda reliability splitwait replay recheck nan-fixup
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -149,6 +149,13 @@ for step in "$@"; do
             python3 -m benchmarks.cuda_decode sweep --tile n16w4s3 --exact-alpha --batches $1 --formats cache,paged16 \
                 --splits $2 || exit 1; done' ;;
     # the decode tile sweep (each candidate checked against float64 first), EXACT_ALPHA's twin included
+    # where a replayed decode step's time goes: kernel device times against the replay (launch gaps), then
+    # ncu (speed of light, memory, occupancy, stalls) on the decode kernel, its combine and cuDNN's at B = 8, 32k
+    decode-kernels) run_step decode-kernels 120 python3 -m benchmarks.decode_kernel_times
+            run_step ncu-decode 200 bash -c 'for k in "regex:attnx_decode" "regex:(?i)cudnn|fmha|sdpa"; do
+                ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+                    --section WarpStateStats --section LaunchStats --section SchedulerStats -k "$k" -s 6 -c 2 \
+                    python3 -m benchmarks.decode_kernel_times --batches 8 --lengths 32768; done' ;;
     decode-sweep) run_step decode-sweep 150 python3 -m benchmarks.cuda_decode sweep --exact-alpha ;;
     # the Ampere-family varlen forward (VARLEN knob, written offline): check, garbage cu_seqlens under
     # memcheck, then time beside triton's varlen and the dense kernel
