@@ -6,7 +6,7 @@ Checked on the H200 2026-12-02 (`python -m benchmarks.cuda_decode check`: 118/11
 clean; timings in benchmarks/results/h200-2026-12-02, backends/cuda/NOTES.md "Split-KV decode").
 
 One kernel block per (split, batch, kv head, 16 rows of the GQA group's heads x queries); splits
-write float32 partials that `attnx_decode_combine` merges (as `attnx.merge`). The number of splits
+write float32 partials that `attnx_decode_combine` merges (as `attnx.merge`; one block per row). The number of splits
 follows FlashAttention-2's heuristic (fill the GPU's block slots) from the SM count and the cache
 capacity, so a decoding loop over one cache keeps one decision. Everything the kernels index with
 is checked or clamped here or in the kernel: lengths to [0, capacity], page entries to
@@ -230,7 +230,7 @@ def prepare(p, x: Inputs, sm_count: int, *, splits: Optional[int] = None,
         key_offset=p.key_offset if not align_br else 0, align_br=align_br, row_chunks=row_chunks, splits=splits,
         split_keys=split_keys, rows=rows, scale=p.scale, scale_log2=p.scale * 1.4426950408889634,
         softcap=p.softcap or 0.0, softcap_inv=1.0 / p.softcap if p.softcap else 0.0, **fields)
-    combine_grid = -(-rows // combine.warps) if combine is not None else 0
+    combine_grid = rows if combine is not None else 0  # one block per row
     return DecodeLaunch(variant, combine, args, grid, combine_grid, splits, out, out_k, lse, tuple(keep))
 
 

@@ -201,7 +201,7 @@ DECODE_TILES = {
     256: (_A(16, 16, 4, 2), _A(16, 16, 2, 2)),    # 144 KB / 76 KB
 }
 DECODE_HEAD_DIM_TILES = tuple(DECODE_TILES)
-COMBINE_WARPS = 4  # decode_combine: one warp per row
+COMBINE_WARPS = 4  # decode_combine: one block of 4 warps per row (fa_decode.cu COMBINE_WARPS)
 # head-dim tiles of each family's kernels ("bwd", the Ampere backward, runs on sm_90 for head dims
 # above 128 and in the deterministic mode, which uses its tiles for dK/dV and for the dQ pass)
 TILE_SETS = {("sm80", "fwd"): HEAD_DIM_TILES, ("sm80", "bwd"): HEAD_DIM_TILES,
