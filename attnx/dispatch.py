@@ -2,10 +2,11 @@
 
 Backends say what they accept (`Backend.reasons`) and where they stand
 (`Backend.rank`, from their `priority` tables); this module only orders them and
-caches the decision on the exact signature and on the problem's dispatch key
-(`Problem.bucketed`: lengths rounded to powers of two). A bucket hit is confirmed by
-the chosen backend's own `reasons` on the exact problem, so a growing decode length
-asks one backend per step and every backend once per doubling.
+caches the decision on the exact signature, and the priority order on the problem's
+dispatch key (`Problem.bucketed`: lengths rounded to powers of two). A new exact problem
+asks the backends in that order and takes the first that accepts: which backend runs
+is a function of the problem alone, and a growing decode length asks the chosen backend
+(and any above it that decline) once per step.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from .selection import allowed_backends
 
 _CACHE_LIMIT = 4096
 _exact: dict = {}     # (problem, allowed, registry generation) -> backend: decided or confirmed for it
-_buckets: dict = {}   # (bucketed problem, allowed, generation) -> backend: a choice to confirm
+_orders: dict = {}    # (bucketed problem, allowed, generation) -> allowed backends in priority order
 _NO_LAST = (None, None, -1, None)
 _last = _NO_LAST      # (problem, allowed, generation, backend) of the last decision returned
 
@@ -87,25 +88,22 @@ def choose(p: Problem, forced: Optional[str] = None):
     if backend is not None:
         _remember_last(p, allowed, generation, backend)
         return backend
+    # A new exact problem asks its bucket's backends in priority order and takes the first that accepts,
+    # so which backend runs depends on the problem alone, never on the calls before it (a backend's limits
+    # may hang on exact sizes, Sq == Sk for a kernel's causal flag, which the bucket cannot see). The order
+    # is kept per bucket: a growing decode length asks the chosen backend, and any above it, once per step.
     bucket_key = (p.bucketed(), allowed, generation)
-    backend = _buckets.get(bucket_key)
-    # A bucket's choice is confirmed by the chosen backend alone (~1 us): its limits may hang on
-    # exact sizes (Sq == Sk for a kernel's causal flag), which rounding cannot see.
-    if backend is not None and not backend.reasons(p):
-        _remember(_exact, exact_key, backend)
-        _remember_last(p, allowed, generation, backend)
-        return backend
-    if forced is not None:
-        registry.get_backend(forced)  # unknown names raise
-    # ask in priority order and stop at the first that accepts; every reason only for the error
-    names = [n for n in priority(p) if allowed is None or n in allowed]
-    chosen = next((n for n in names if not registry.get_backend(n).reasons(p)), None)
-    if chosen is None:
+    order = _orders.get(bucket_key)
+    if order is None:
+        if forced is not None:
+            registry.get_backend(forced)  # unknown names raise
+        order = tuple(registry.get_backend(n) for n in priority(p) if allowed is None or n in allowed)
+        _remember(_orders, bucket_key, order)
+    backend = next((b for b in order if not b.reasons(p)), None)
+    if backend is None:
         decision = decide(p, forced)
         declined = {n: decision.reasons[n] for n in decision.considered}
         raise no_backend(forced, allowed, "this problem", declined)
-    backend = registry.get_backend(chosen)
-    _remember(_buckets, bucket_key, backend)
     _remember(_exact, exact_key, backend)
     _remember_last(p, allowed, generation, backend)
     return backend
@@ -126,4 +124,4 @@ def clear_cache() -> None:
     global _last
     _last = _NO_LAST
     _exact.clear()
-    _buckets.clear()
+    _orders.clear()

@@ -189,9 +189,9 @@ class Problem(NamedTuple):
     def bucketed(self) -> "Problem":
         """The problem's dispatch key: lengths and offset rounded to powers of two.
 
-        Priorities are decided on it (so they are constant within a bucket); the dispatcher
-        reuses a bucket's choice after the chosen backend confirms the exact problem (a decode
-        loop's growing Sk asks every backend once per doubling, not once per token).
+        Priorities are decided on it (so they are constant within a bucket); the dispatcher keeps
+        a bucket's order and asks it for each new exact problem, from the top (a decode loop's
+        growing Sk asks the chosen backend, and any above it, once per token).
         """
         offset = self.offset
         if offset is not None:

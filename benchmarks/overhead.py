@@ -5,8 +5,9 @@
 (b) real small calls through attnx beside `torch.nn.functional.scaled_dot_product_attention`
     and beside the picked backend's `forward` called directly (attnx's share of the call);
 (c) decode steps with a growing key length (Sk = 1000..1100, one key more per call, each sweep
-    on a fresh dispatch cache): decisions are cached per power-of-two length bucket, so the
-    backends are asked once per bucket and the per-call cost stays flat;
+    on a fresh dispatch cache): the priority order is kept per power-of-two length bucket and each
+    new length asks it from the top (the chosen backend and any above it that decline), so the
+    per-call cost stays flat;
 (d) `attnx.plan(...)` once, then `plan.run(...)` per call.
 
     python benchmarks/overhead.py --out benchmarks/results/cpu-$(date -u +%F)   # --clock wall on a quiet machine

@@ -33,8 +33,8 @@ def markdown(r: dict) -> str:
     lines += [f"## (c) decode steps, Sk = {lo}..{hi}, one key more per call (B=1 H=8 Sq=1 D=64; pick: "
               f"{g['picked']})", "",
               f"One call per length, each sweep on a fresh dispatch cache; per length the median over {g['sweeps']} "
-              "sweeps, then the median (p90) over the lengths. Decisions are cached per power-of-two length "
-              "bucket: the backends are asked once per bucket, not once per step.", ""]
+              "sweeps, then the median (p90) over the lengths. The priority order is cached per power-of-two "
+              "length bucket and each new length asks it from the top (the chosen backend and any above it).", ""]
     rows = []
     for name, label in GROWING:
         s = g[name]

@@ -208,7 +208,8 @@ def test_deterministic_algorithms_decline_nondeterministic_backward(clean_regist
 
 
 def test_growing_decode_length_does_not_re_ask(clean_registry, make_spy):
-    """Backends are asked once per power-of-two length bucket; the chosen one confirms each new length."""
+    """Each new length asks the bucket's order from the top: the top backend accepts, the others are never
+    asked."""
     chosen = attnx.register_backend(make_spy("chosen", priority={"*": 1000}))
     other = attnx.register_backend(make_spy("other", priority={"*": 999}))
     q = torch.randn(1, 2, 1, 16)
@@ -235,8 +236,6 @@ def test_a_bucket_hit_the_chosen_backend_declines_is_decided_again(clean_registr
     torch.testing.assert_close(out, attnx.attention(q, k2, k2, causal=True, backend="naive"))
 
 
-@pytest.mark.xfail(strict=True, reason="D2 (open, docs/reliability.md): a bucket's fallback, chosen when a higher "
-                                        "backend declined one exact length, keeps running lengths that backend accepts")
 def test_the_backend_that_runs_does_not_depend_on_earlier_calls(clean_registry, make_spy):
     """Dispatch is a function of the signature (docs/semantics.md): within one length bucket, a length the
     top backend declines (Sq != Sk) must not change which backend runs a later length it accepts."""
