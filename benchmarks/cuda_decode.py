@@ -129,8 +129,10 @@ TILE_CASES = (  # (name, page size, first length) of cases()
 
 
 def tile_label(v) -> str:
-    """A candidate's short name: keys per warp block, warps, stages (+ea: EXACT_ALPHA)."""
-    return f"n{v.block_n}w{v.warps}s{v.stages}" + ("+ea" if v.exact_alpha else "")
+    """A candidate's short name: keys per warp block, warps, stages (+ea: EXACT_ALPHA; +l2_N: cp.async's
+    L2 prefetch hint of N bytes)."""
+    return (f"n{v.block_n}w{v.warps}s{v.stages}" + ("+ea" if v.exact_alpha else "")
+            + (f"+l2_{v.l2_prefetch}" if v.l2_prefetch else ""))
 
 
 def tile_candidates(head_dim: int = 128, exact_alpha: bool = False, family: str = "sm90") -> list:
@@ -149,14 +151,15 @@ def pick_tiles(labels: str, head_dim: int = 128, exact_alpha: bool = False) -> l
     if labels == "all":
         return tile_candidates(head_dim, exact_alpha)
     every = tile_candidates(head_dim)
-    by_label = {tile_label(v): v for v in every} | {tile_label(v) + "+ea": v._replace(exact_alpha=True) for v in every}
+    twins = [v._replace(exact_alpha=ea, l2_prefetch=l2) for v in every for ea in (False, True) for l2 in (0, 128, 256)]
+    by_label = {tile_label(v): v for v in twins}
     found = []
     for label in labels.split(","):
         if label not in by_label:
             raise SystemExit(f"no candidate {label!r} at d{head_dim}: {', '.join(by_label)}")
         found.append(by_label[label])
         if exact_alpha and not by_label[label].exact_alpha:
-            found.append(by_label[label + "+ea"])
+            found.append(by_label[tile_label(by_label[label]._replace(exact_alpha=True))])
     return found
 
 
@@ -187,7 +190,7 @@ def tile_variant(p, tile):
         raise ValueError(f"candidate {tile_label(tile)} is a d{tile.head_dim} tile; the call's is "
                          f"{base and base.head_dim}")
     v = base._replace(block_m=16, block_n=tile.block_n, warps=tile.warps, stages=tile.stages,
-                      exact_alpha=tile.exact_alpha)
+                      exact_alpha=tile.exact_alpha, l2_prefetch=tile.l2_prefetch)
     if v.shared_bytes() > variants.max_shared(p.capability):
         raise ValueError(f"candidate {tile_label(tile)} needs {v.shared_bytes()} bytes of shared memory; "
                          f"{p.arch} has {variants.max_shared(p.capability)}")

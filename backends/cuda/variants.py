@@ -56,6 +56,7 @@ class Variant(NamedTuple):
     exact_alpha: bool = False  # fwd (both families) and decode: the online softmax's rescale factor from the rounded
                                # shifts (EXACT_ALPHA, common/softmax.cuh): lse exact over many key blocks (decode
                                # always, fwd from EXACT_ALPHA_MIN_KEYS keys; benchmarks/exact_alpha.py)
+    l2_prefetch: int = 0  # decode: cp.async's L2 prefetch hint in bytes (0, 128, 256; L2_PREFETCH, sm80/ptx.cuh)
     varlen: bool = False  # Ampere fwd: packed q and k/v through cu_seqlens (VARLEN, common/varlen.cuh; a second
                           # kernel argument; `varlen_forward_variant`, launch_varlen: both families' varlen forward)
 
@@ -101,6 +102,8 @@ class Variant(NamedTuple):
                 d["VARLEN"] = int(self.varlen)
         if self.kernel == "decode":
             d["EXACT_ALPHA"] = int(self.exact_alpha)
+            if self.l2_prefetch:
+                d["L2_PREFETCH"] = self.l2_prefetch
         if self.hopper_forward:
             d.update(OVERLAP=int(self.overlap), PINGPONG=int(self.pingpong))
             del d["BLOCK_M"], d["NUM_WARPS"]  # fixed by the kernel's warpgroup roles

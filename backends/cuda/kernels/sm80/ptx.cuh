@@ -6,9 +6,20 @@
 
 // 16-byte async copy global -> shared; when !valid nothing is read and the
 // destination is zero-filled (src-size 0), so tile edges need no branches.
+// L2_PREFETCH (bytes, -D; 0 = none): the L2 fetches this much around each 16-byte copy's address
+// (cp.async's L2::128B / L2::256B hint), for kernels that stream K/V once (the decode sweep's +l2 tiles).
+#ifndef L2_PREFETCH
+#define L2_PREFETCH 0
+#endif
 DEVI void cp_async16(u32 dst, const void* src, bool valid) {
   int bytes = valid ? 16 : 0;
+#if L2_PREFETCH == 256
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+#elif L2_PREFETCH == 128
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+#else
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+#endif
 }
 DEVI void cp_async4(u32 dst, const void* src, bool valid) {
   int bytes = valid ? 4 : 0;
