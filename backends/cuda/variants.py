@@ -204,6 +204,7 @@ DECODE_TILES = {
     256: (_A(16, 16, 4, 2), _A(16, 16, 2, 2)),    # 144 KB / 76 KB
 }
 DECODE_HEAD_DIM_TILES = tuple(DECODE_TILES)
+DECODE_L2_PREFETCH = 256  # the decode kernel's cp.async L2 prefetch hint (bytes; sm80/ptx.cuh L2_PREFETCH)
 COMBINE_WARPS = 4  # decode_combine: one block of 4 warps per row (fa_decode.cu COMBINE_WARPS)
 # head-dim tiles of each family's kernels ("bwd", the Ampere backward, runs on sm_90 for head dims
 # above 128 and in the deterministic mode, which uses its tiles for dK/dV and for the dQ pass)
@@ -337,7 +338,7 @@ def decode_variant(family: Family, bf16: bool, tile: int, score_mod: bool, max_s
         return None
     for t in DECODE_TILES.get(tile, ()):
         v = Variant(family.name, "decode", bf16, tile, t.block_m, t.block_n, t.warps, score_mod, stages=t.stages,
-                    exact_alpha=True)
+                    exact_alpha=True, l2_prefetch=DECODE_L2_PREFETCH)
         if v.shared_bytes() <= max_shared:
             return v
     return None
