@@ -204,7 +204,8 @@ DECODE_TILES = {
     256: (_A(16, 16, 4, 2), _A(16, 16, 2, 2)),    # 144 KB / 76 KB
 }
 DECODE_HEAD_DIM_TILES = tuple(DECODE_TILES)
-DECODE_L2_PREFETCH = 256  # the decode kernel's cp.async L2 prefetch hint (bytes; sm80/ptx.cuh L2_PREFETCH)
+DECODE_L2_PREFETCH = 128  # the decode kernel's cp.async L2 prefetch hint (bytes; sm80/ptx.cuh L2_PREFETCH): the
+# H200 sweep of 2026-12-02 (run 6): +1-3 % over none on a cache, 256 slower on paged caches
 COMBINE_WARPS = 4  # decode_combine: one block of 4 warps per row (fa_decode.cu COMBINE_WARPS)
 # head-dim tiles of each family's kernels ("bwd", the Ampere backward, runs on sm_90 for head dims
 # above 128 and in the deterministic mode, which uses its tiles for dK/dV and for the dQ pass)
@@ -367,7 +368,8 @@ def decode_sweep_variants(tile: int, *, family: str = "sm90", bf16: bool = True,
     for bn in DECODE_SWEEP_BLOCK_N:
         for w in DECODE_SWEEP_WARPS:
             for st in DECODE_SWEEP_STAGES:
-                v = Variant(fam.name, "decode", bf16, tile, 16, bn, w, score_mod, stages=st)
+                v = Variant(fam.name, "decode", bf16, tile, 16, bn, w, score_mod, stages=st,
+                            l2_prefetch=DECODE_L2_PREFETCH)
                 if v.shared_bytes() <= shared and v not in found:
                     found.append(v)
     return [v._replace(exact_alpha=exact_alpha) for v in found]
