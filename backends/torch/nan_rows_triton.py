@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attnx.backends.triton import cache_fallback
+
 BLOCK_N = 64
 BLOCK_M = 64
 MAX_CHUNKS = 64  # key chunks per (batch, kv head): the second kernel reads them as one vector
@@ -73,6 +75,7 @@ def _mark_lse(q_ptr, first_ptr, lse_ptr, heads_q, heads_kv, seqlen_q, seqlen_k, 
     tl.store(lse_ptr + bh.to(tl.int64) * seqlen_q + rows, nan, mask=(rows < seqlen_q) & (q_bad | seen))
 
 
+@cache_fallback.survives_cache_errors
 def mark_nan_rows(causal: bool, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """`lse` (float32, contiguous (B, Hq, Sq)) with NaN, in place, in every row whose q row holds a NaN or
     that sees a key holding one (all keys; keys 0..i under causal with Sq == Sk). q, k: (B, H, S, D)."""

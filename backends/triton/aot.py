@@ -14,7 +14,7 @@ import sys
 import time
 from typing import NamedTuple
 
-from . import configs
+from . import cache_fallback, configs
 
 # name -> (backend, arch, warp size, config family, shared memory per block in bytes)
 TARGETS = {
@@ -88,6 +88,7 @@ def _signature(fn, variant: Variant, constexprs: dict) -> dict:
     return sig
 
 
+@cache_fallback.survives_cache_errors
 def compile_variant(variant: Variant, target: str) -> dict:
     """Compile one variant for `target` (no GPU needed); returns its resource use."""
     import triton

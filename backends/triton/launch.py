@@ -16,7 +16,7 @@ from attnx.autograd import alloc_out, sum_to_shape
 from attnx.inputs import Grads, sinks_grad
 from attnx.limits import kernel_window
 
-from . import configs, interpreter_fix
+from . import cache_fallback, configs, interpreter_fix
 from .configs import DTYPE_NAMES, path_of
 from .kernels_bwd import bwd_dkdv, bwd_dq, bwd_preprocess
 from .kernels_decode import attn_decode, decode_combine
@@ -177,6 +177,7 @@ def _sm_count(device_type: str, index) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@cache_fallback.survives_cache_errors
 @interpreter_fix.serialised(attn_fwd)
 def forward(p, x):
     q, k, v = x.q, x.k, x.v
@@ -253,6 +254,7 @@ def _paged_as_cache(p, x):
     return p._replace(kv_format="cache", page_size=None), x.replace(k=k_c, v=v_c, page_table=None), rows
 
 
+@cache_fallback.survives_cache_errors
 @interpreter_fix.serialised(attn_fwd)
 def backward(p, x, out, lse, dout) -> Grads:
     if p.kv_format == "paged":
