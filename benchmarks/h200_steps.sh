@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels decode-sweep decode-splits varlen-cuda reliability splitwait replay recheck nan-fixup
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full decode-sweep decode-splits varlen-cuda reliability splitwait replay recheck nan-fixup
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -156,6 +156,15 @@ for step in "$@"; do
                 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
                     --section WarpStateStats --section LaunchStats --section SchedulerStats -k "$k" -s 6 -c 2 \
                     python3 -m benchmarks.decode_kernel_times --batches 8 --lengths 32768; done' ;;
+    # the decode kernel's L2 lookups (34 % hits where cuDNN's kernel has 1 %, run 6): L2 sectors and requests
+    # by hit/miss for both kernels at B = 8, 32k, then one full profile with SASS source counters (csv)
+    ncu-decode-full) run_step ncu-decode-l2 150 bash -c 'for k in "regex:^attnx_decode$" "regex:cudnn.*fprop"; do
+                ncu --clock-control none -k "$k" -s 6 -c 1 --metrics lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_read_lookup_hit.sum,lts__t_sectors_srcunit_tex_op_read_lookup_miss.sum,lts__t_requests_srcunit_tex_op_read.sum,dram__sectors_read.sum,lts__t_sectors_srcunit_ltcfabric.sum,smsp__inst_executed_op_ldgsts.sum \
+                    python3 -m benchmarks.decode_kernel_times --batches 8 --lengths 32768; done'
+            run_step ncu-decode-sass 240 bash -c 'ncu --clock-control none --set full --import-source yes -k "regex:^attnx_decode$" -s 6 -c 1 \
+                -o "$0/logs/decode" python3 -m benchmarks.decode_kernel_times --batches 8 --lengths 32768 >/dev/null &&
+                ncu --import "$0/logs/decode.ncu-rep" --page source --csv --print-source sass > "$0/logs/ncu-decode-sass.csv" &&
+                gzip -f "$0/logs/ncu-decode-sass.csv" && rm -f "$0/logs/decode.ncu-rep"' "$out" ;;
     decode-sweep) run_step decode-sweep 150 python3 -m benchmarks.cuda_decode sweep --exact-alpha ;;
     # the Ampere-family varlen forward (VARLEN knob, written offline): check, garbage cu_seqlens under
     # memcheck, then time beside triton's varlen and the dense kernel
