@@ -19,6 +19,7 @@ Needs CuPy, cuda-bindings and an sm_80..sm_90 GPU (`time` also triton).
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import sys
 from typing import NamedTuple
@@ -182,6 +183,23 @@ def kernel_forward(p, xv, built: Built):
     return launch_varlen.forward(p, xv, poison=True)
 
 
+def hopper_variant(p):
+    """The opt-in Hopper varlen forward (`variants.hopper_varlen_variant`) for `p`, EXACT_ALPHA as the launcher's."""
+    from attnx.backends.cuda import launch, variants
+
+    tile = variants.head_dim_tile(launch.round8(p.head_dim), launch.round8(p.head_dim_v), variants.FAMILIES["sm90"],
+                                  "fwd")
+    v = variants.hopper_varlen_variant(p.dtype == torch.bfloat16, tile, launch.score_mod(p),
+                                       variants.max_shared(p.capability))
+    return v._replace(exact_alpha=True) if variants.forward_rounds_rescale(p.seqlen_k) else v
+
+
+def hopper_kernel_forward(p, xv, built: Built):
+    from attnx.backends.cuda import launch_varlen
+
+    return launch_varlen.forward(p, xv, variant=hopper_variant(p), poison=True)
+
+
 def stand_in_forward(p, xv, built: Built):
     """--self-test: the float32 formula in place of the kernel (out in the inputs' dtype; NaN rows unwritten)."""
     out, lse = formula(p, xv, built, torch.float32)
@@ -304,11 +322,14 @@ def emulate(plan) -> None:
         mem["lse"][l_off] = lse
 
 
-def emulated_forward(p, xv, built: Built):
-    """--emulate: the launcher's host side (`prepare`, as for an H200) and the kernel's arithmetic emulated."""
+def emulated_forward(p, xv, built: Built, hopper: bool = False):
+    """--emulate: the launcher's host side (`prepare`, as for an H200) and the kernel's arithmetic emulated;
+    `hopper`: with the Hopper varlen forward's tile (its blocks, rows and key blocks; both kernels share the
+    grid, the clamped cu_seqlens and the masks; the Hopper one's zeroed V rows are the emulation's `live`)."""
     from attnx.backends.cuda import launch_varlen
 
-    plan = launch_varlen.prepare(p._replace(device_type="cuda", vendor="nvidia", arch="sm_90"), xv)
+    p = p._replace(device_type="cuda", vendor="nvidia", arch="sm_90")
+    plan = launch_varlen.prepare(p, xv, variant=hopper_variant(p) if hopper else None)
     plan.out_k.fill_(float("nan"))
     plan.lse.fill_(float("nan"))
     emulate(plan)
@@ -323,7 +344,7 @@ def _pairs(lens: list, causal: bool) -> int:
     return sum(n * (n + 1) // 2 if causal else n * n for n in lens)
 
 
-def time_all(total: int, hq: int, hkv: int, dims, seqs: int) -> None:
+def time_all(total: int, hq: int, hkv: int, dims, seqs: int, hopper: bool = False) -> None:
     """bf16, `seqs` sequences of random lengths summing to `total`, beside equal lengths and one sequence
     of `total` tokens: TFLOP/s (4 * pairs * D * Hq) of the varlen kernel, triton's varlen, and the cuda
     backend's dense kernel on the dense equivalent (B x S when lengths are equal)."""
@@ -358,6 +379,8 @@ def time_all(total: int, hq: int, hkv: int, dims, seqs: int) -> None:
                           flush=True)
 
                 row("cuda varlen", lambda: launch_varlen.forward(p, xv))
+                if hopper:
+                    row("cuda hopper varlen", lambda: launch_varlen.forward(p, xv, variant=hopper_variant(p)))
                 row("triton varlen", lambda: attnx.attention(q, k, v, backend="triton", **kw))
                 if shape != "random":  # the dense equivalent: B sequences of one length
                     b, s = len(lens), lens[0]
@@ -378,16 +401,20 @@ def main(argv=None) -> int:
     parser.add_argument("--seqs", type=int, default=16, help="time: sequences of the packed batch")
     parser.add_argument("--heads", default="16,16", help="time: Hq,Hkv")
     parser.add_argument("--dims", default="64,128", help="time: head dims")
+    parser.add_argument("--hopper", action="store_true",
+                        help="check/time the opt-in Hopper varlen forward (sm90 fa_fwd.cu VARLEN=1) instead of / beside "
+                             "the Ampere one")
     parser.add_argument("--emulate", action="store_true",
                         help="check on the CPU: the launcher's host side and the kernel's index arithmetic emulated")
     args = parser.parse_args(argv)
     if args.what == "check":
         if args.self_test or args.emulate:
-            forward = emulated_forward if args.emulate else stand_in_forward
+            forward = functools.partial(emulated_forward, hopper=args.hopper) if args.emulate else stand_in_forward
             return 0 if check(cases(), forward, "cpu", args.only) else 1
-        return 0 if check(cases(), kernel_forward, "cuda", args.only) else 1
+        forward = hopper_kernel_forward if args.hopper else kernel_forward
+        return 0 if check(cases(), forward, "cuda", args.only) else 1
     hq, hkv = (int(h) for h in args.heads.split(","))
-    time_all(args.total, hq, hkv, tuple(int(d) for d in args.dims.split(",")), args.seqs)
+    time_all(args.total, hq, hkv, tuple(int(d) for d in args.dims.split(",")), args.seqs, args.hopper)
     return 0
 
 

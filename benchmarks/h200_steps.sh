@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full decode-sweep decode-splits varlen-cuda reliability splitwait replay recheck nan-fixup
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full decode-sweep decode-splits varlen-cuda varlen-hopper reliability splitwait replay recheck nan-fixup
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -172,6 +172,13 @@ for step in "$@"; do
             [ -n "${passed[varlen-cuda-check]:-}" ] && run_step varlen-cuda-memcheck 90 compute-sanitizer \
                 --tool memcheck --report-api-errors no python3 -m benchmarks.cuda_varlen check --only garbage
             [ -n "${passed[varlen-cuda-check]:-}" ] && run_step varlen-cuda-time 120 python3 -m benchmarks.cuda_varlen time ;;
+    # the opt-in Hopper varlen forward (sm90 fa_fwd.cu VARLEN=1, written offline 2026-12-02): check, garbage
+    # cu_seqlens under memcheck, then time beside the Ampere varlen kernel, triton's and the dense Hopper forward
+    varlen-hopper) run_step varlen-hopper-check 120 python3 -m benchmarks.cuda_varlen check --hopper
+            [ -n "${passed[varlen-hopper-check]:-}" ] && run_step varlen-hopper-memcheck 90 compute-sanitizer \
+                --tool memcheck --report-api-errors no python3 -m benchmarks.cuda_varlen check --hopper --only garbage
+            [ -n "${passed[varlen-hopper-check]:-}" ] && run_step varlen-hopper-time 150 python3 -m benchmarks.cuda_varlen \
+                time --hopper --dims 128,64 ;;
     decode-cuda) run_step decode-cuda-check 150 python3 -m benchmarks.cuda_decode check
             [ -n "${passed[decode-cuda-check]:-}" ] && run_step decode-cuda-time 200 python3 -m benchmarks.cuda_decode time ;;
     *) echo "$step: unknown step" >> "$out/summary.txt" ;;

@@ -309,3 +309,36 @@ def test_forward_routes_packed_calls_to_the_varlen_launcher():
         varlen.assert_called_once_with(p, x)
         assert CUDA.forward(dense, None) == "dense" and CUDA.forward(cache, None) == "decode"
         assert varlen.call_count == 1 and decode.call_count == 1 and dense_forward.call_count == 1
+
+
+# -- the opt-in Hopper varlen forward (sm90/fa_fwd.cu VARLEN=1; written offline, not yet run on a GPU) ---------
+def test_hopper_varlen_variant_is_the_hopper_tile_with_the_knob():
+    for tile in (64, 128, 192, 256):
+        dense = variants.forward_variant(families.HOPPER, True, tile, False, variants.max_shared((9, 0)))
+        v = variants.hopper_varlen_variant(True, tile, False, variants.max_shared((9, 0)))
+        assert v == dense._replace(varlen=True) and v.hopper_forward and v.source == "sm90/fa_fwd.cu"
+        assert "-DVARLEN=1" in v.defines() and not any(d.startswith("-DVARLEN") for d in dense.defines())
+        assert v.shared_bytes() == dense.shared_bytes()
+
+
+def test_hopper_varlen_kernel_compiles_without_spills_up_to_d128():
+    """sm_90a, every head-dim tile with and without a score mod: compiles; d64 and d128 (the paper's and the
+    serving shapes) without spills (d192+mod and d256 spill a few bytes; NOTES.md)."""
+    reason = _nvrtc()
+    if reason:
+        pytest.skip(reason)
+    for tile in (64, 128, 192, 256):
+        for mod in (False, True):
+            v = variants.hopper_varlen_variant(True, tile, mod, variants.max_shared((9, 0)))
+            ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
+                                                       (*nvrtc_options(v, "sm_90a"), "-Xptxas=-v"))
+            assert ok and size > 0, log[:2000]
+            if tile <= 128:
+                assert int(re.search(r"(\d+) bytes spill stores", log).group(1)) == 0, log
+
+
+def test_hopper_varlen_tiles_pass_the_emulated_cases(capsys):
+    """The launcher's records with the Hopper tile (128 query rows, its key blocks) through the emulated
+    kernel arithmetic: grid, clamped cu_seqlens, early exits, masks, rows written only inside sequences."""
+    assert cuda_varlen.main(["check", "--emulate", "--hopper"]) == 0
+    assert "cases passed" in capsys.readouterr().out

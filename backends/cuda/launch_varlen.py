@@ -147,6 +147,24 @@ def prepare(p, x: Inputs, *, variant: Optional[Variant] = None) -> VarlenLaunch:
     return VarlenLaunch(variant, args, varlen, grid, out, out_k, lse, keep)
 
 
+def hopper_maps(plan: VarlenLaunch) -> tuple:
+    """The Hopper varlen forward's TMA maps (`variants.hopper_varlen_variant`, opt-in): q, k, v and out as
+    (1, H, total, D) views of the packed tensors (the kernel stores out row by row; its map is passed for
+    the dense kernel's signature). TMA needs 16-byte aligned rows and heads: `kernel_operand` copies what is
+    not, and a head dim below 8 is padded, as for the dense Hopper launcher."""
+    from .tensor_maps import operand_ok, tensor_map
+
+    q, k, v, out_k = plan.keep[:4]
+    views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, out_k)]
+    bad = [name for name, t in zip("qkvo", views) if not operand_ok(t)]
+    if bad:
+        raise InvalidArgumentError(f"the Hopper varlen forward cannot read {', '.join(bad)} through TMA "
+                                   "(a stride or the base not 16-byte aligned)")
+    rows = plan.variant.block_m
+    return (tensor_map(views[0], rows), tensor_map(views[1], plan.variant.block_n),
+            tensor_map(views[2], plan.variant.block_n), tensor_map(views[3], rows // 2))
+
+
 def forward(p, x: Inputs, *, variant: Optional[Variant] = None, poison: bool = False):
     """(out (total_q, Hq, Dv), lse (Hq, total_q)) of one varlen forward; `poison` fills both with NaN first,
     so an element the kernel fails to write shows up in a check."""
@@ -160,8 +178,9 @@ def forward(p, x: Inputs, *, variant: Optional[Variant] = None, poison: bool = F
         plan.lse.fill_(float("nan"))
     if plan.grid > 0:
         kernel = get_kernel(plan.variant, nvrtc_arch(p.capability), device_index)
-        _launch(kernel, plan.grid, plan.variant.threads, plan.variant.shared_bytes(), (plan.args, plan.varlen),
-                device_index)
+        operands = (plan.args, *hopper_maps(plan), plan.varlen) if plan.variant.hopper_forward else \
+            (plan.args, plan.varlen)
+        _launch(kernel, plan.grid, plan.variant.threads, plan.variant.shared_bytes(), operands, device_index)
     if plan.out_k is not plan.out:
         plan.out.copy_(plan.out_k[..., : p.head_dim_v])
     return plan.out, plan.lse

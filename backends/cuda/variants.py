@@ -107,6 +107,8 @@ class Variant(NamedTuple):
         if self.hopper_forward:
             d.update(OVERLAP=int(self.overlap), PINGPONG=int(self.pingpong))
             del d["BLOCK_M"], d["NUM_WARPS"]  # fixed by the kernel's warpgroup roles
+            if self.varlen:  # (opt-in: the default builds' defines stay as they were)
+                d["VARLEN"] = 1
         return tuple(f"-D{k}={v}" for k, v in d.items())
 
     def shared_bytes(self) -> int:
@@ -284,6 +286,15 @@ def varlen_forward_variant(bf16: bool, tile: int, score_mod: bool, max_shared: i
     forward's TMA tiles have no varlen path). launch_varlen requests it (with EXACT_ALPHA from 64k keys);
     `requestable` lists it under the Ampere family, so CI builds it for sm_80."""
     v = forward_variant(FAMILIES["sm80"], bf16, tile, score_mod, max_shared)
+    return v._replace(varlen=True) if v is not None else None
+
+
+def hopper_varlen_variant(bf16: bool, tile: int, score_mod: bool, max_shared: int) -> Variant | None:
+    """The Hopper forward built for packed q and k/v (VARLEN=1, sm90/fa_fwd.cu): the tile `forward_variant`
+    picks for the Hopper family. Opt-in, not dispatched and not listed by `requestable` (written offline
+    2026-12-02, not yet run on a GPU): `benchmarks.cuda_varlen check --hopper` checks it, `time --hopper`
+    times it beside the Ampere varlen kernel, triton's and the dense Hopper forward."""
+    v = forward_variant(FAMILIES["sm90"], bf16, tile, score_mod, max_shared)
     return v._replace(varlen=True) if v is not None else None
 
 

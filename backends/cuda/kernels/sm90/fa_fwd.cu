@@ -21,11 +21,25 @@
 // Compile-time knobs (NVRTC -D): IS_BF16, HEAD_DIM (tile: 64, 128, 192, 256), BLOCK_N (keys per
 // block), SCORE_MOD (softcap / ALiBi / scale <= 0), KV_STAGES, OVERLAP, PINGPONG, EXACT_ALPHA (opt-in:
 // the rescale factor from the rounded shifts, common/softmax.cuh `rescale_exponent`).
+// VARLEN (opt-in, 0 by default; written offline, not yet run on a GPU): packed q and k/v
+// (common/varlen.cuh), a VarlenParams after the tensor maps. The maps cover the packed tensors
+// (rows = total tokens, batch dim 1); batch entry b of the grid is packed sequence b and its tiles
+// start at the sequence's first rows, so a tile's rows past the sequence's end are the next
+// sequence's: their scores are masked (key_visible), the V rows of the last key block past the end are
+// zeroed before any P V reads them (0 x Inf would be NaN), and out and lse are stored row by row up to
+// the sequence's end instead of by the TMA store. Everything it adds is under `#if VARLEN`, so VARLEN=0
+// compiles to the cubin of the build without the knob.
+#ifndef VARLEN
+#define VARLEN 0
+#endif
 #include "common/mask.cuh"
 #include "common/score_mod.cuh"
 #include "common/softmax.cuh"
 #include "sm90/ptx.cuh"
 #include "sm90/wgmma_ops.cuh"
+#if VARLEN
+#include "common/varlen.cuh"
+#endif
 
 namespace sm90 {
 
@@ -36,6 +50,9 @@ constexpr int PRODUCER_REGS = 24;
 constexpr int CONSUMER_REGS = 240;  // 128 x 24 + 256 x 240 <= 64K registers
 constexpr int TURN_BARRIER = 1;     // named barriers 1, 2: pingpong turns; 3, 4: epilogue
 constexpr int EPILOGUE_BARRIER = 3;
+#if VARLEN
+constexpr int ZERO_BARRIER = 5;     // both consumers: the last key block's V rows past the sequence are zero
+#endif
 
 // Byte offsets in the 1024-aligned dynamic shared memory.
 template <int HD, int BN, int STAGES>
@@ -62,6 +79,9 @@ struct Tile {
   int b, h, hk;       // batch, query head, kv head
   int m0;             // first query row
   int n_first, n_last;  // key blocks some row of the tile sees (n_last < n_first: none)
+#if VARLEN
+  int q_start, k_start;  // the packed sequence's first rows in q / out / lse and in k / v
+#endif
 };
 
 template <int BN>
@@ -91,7 +111,11 @@ DEVI void produce(u32 base, const Tile& t, const TmaMap* tq, const TmaMap* tk, c
   mbar_arrive_expect_tx(L::q_full(base), L::PANELS * L::Q_PANEL);
 #pragma unroll
   for (int pn = 0; pn < L::PANELS; ++pn)
+#if VARLEN
+    tma_load_4d(base + L::Q + pn * L::Q_PANEL, tq, pn * 64, t.q_start + t.m0, t.h, 0, L::q_full(base));
+#else
     tma_load_4d(base + L::Q + pn * L::Q_PANEL, tq, pn * 64, t.m0, t.h, t.b, L::q_full(base));
+#endif
   for (int i = 0, nb = t.n_last; nb >= t.n_first; ++i, --nb) {
     const int s = i % STAGES;
     const u32 free_parity = ((i / STAGES) & 1) ^ 1;
@@ -99,14 +123,24 @@ DEVI void produce(u32 base, const Tile& t, const TmaMap* tq, const TmaMap* tk, c
     mbar_arrive_expect_tx(L::k_full(base, s), L::KV_TILE);
 #pragma unroll
     for (int pn = 0; pn < L::PANELS; ++pn)
+#if VARLEN
+      tma_load_4d(base + L::K + s * L::KV_TILE + pn * L::KV_PANEL, tk, pn * 64, t.k_start + nb * BN, t.hk, 0,
+                  L::k_full(base, s));
+#else
       tma_load_4d(base + L::K + s * L::KV_TILE + pn * L::KV_PANEL, tk, pn * 64, nb * BN, t.hk, t.b,
                   L::k_full(base, s));
+#endif
     mbar_wait(L::v_empty(base, s), free_parity);
     mbar_arrive_expect_tx(L::v_full(base, s), L::KV_TILE);
 #pragma unroll
     for (int pn = 0; pn < L::PANELS; ++pn)
+#if VARLEN
+      tma_load_4d(base + L::V + s * L::KV_TILE + pn * L::KV_PANEL, tv, pn * 64, t.k_start + nb * BN, t.hk, 0,
+                  L::v_full(base, s));
+#else
       tma_load_4d(base + L::V + s * L::KV_TILE + pn * L::KV_PANEL, tv, pn * 64, nb * BN, t.hk, t.b,
                   L::v_full(base, s));
+#endif
   }
 }
 
@@ -241,8 +275,52 @@ DEVI void write_out(const AttnParams& p, const Tile& t, const TmaMap* to, float 
   }
 }
 
+#if VARLEN
+// Out rows of this warpgroup straight from registers to the packed out, and lse (Hq, total_q), up to
+// the sequence's last row: the TMA store would write a whole 64-row box, into the next sequence's rows.
+template <bool BF16, int HD>
+DEVI void write_out_rows(const AttnParams& p, const VarlenParams& vp, const Tile& t, int seqlen_q, float (&o)[HD / 2],
+                         const Rows& r, float unit, int consumer, int warp_in_group, int lane) {
+  const int g = lane >> 2, t4 = lane & 3;
+  const float sink = sink_logit(p, t.h);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float inv, row_lse;
+    softmax_finish(r.max[half] * unit, quad_sum(r.sum[half]), sink, &inv, &row_lse);
+    const int row = t.m0 + consumer * 64 + warp_in_group * 16 + g + half * 8;
+    if (row >= seqlen_q) continue;
+    if (t4 == 0) p.lse[(long long)t.h * vp.total_q + t.q_start + row] = row_lse;
+    u16* out_row = (u16*)p.o + (long long)(t.q_start + row) * p.o_rs + (long long)t.h * p.o_hs;
+#pragma unroll
+    for (int c = 0; c < HD / 8; ++c) {
+      const int col = c * 8 + 2 * t4;
+      if (col < p.head_dim_v)
+        *reinterpret_cast<u32*>(out_row + col) =
+            pack2<BF16>(o[4 * c + 2 * half] * inv, o[4 * c + 2 * half + 1] * inv);
+    }
+  }
+}
+
+// Rows [first, BN) of a V tile (every panel) set to zero by the `threads` consumer threads (`tid` among them).
+template <int HD, int BN>
+DEVI void zero_rows(u32 v_tile, int first, int tid, int threads) {
+  constexpr int PANELS = HD / 64;
+  const int chunks = PANELS * (BN - first) * 8;  // 16-byte chunks: 8 per 128-byte row
+  for (int i = tid; i < chunks; i += threads) {
+    const int pn = i / ((BN - first) * 8), rest = i - pn * (BN - first) * 8;
+    const u32 addr = v_tile + pn * (BN * 128) + (first + rest / 8) * 128 + (rest % 8) * 16;
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0u) : "memory");
+  }
+}
+#endif
+
 template <bool BF16, int HD, int BN, bool MOD, int STAGES, bool kOverlap, bool kPingpong>
+#if VARLEN
+DEVI void consume(const AttnParams& p, const Tile& t, const Visibility& vis, u32 base, const TmaMap* to,
+                  const VarlenParams& vp) {
+#else
 DEVI void consume(const AttnParams& p, const Tile& t, const Visibility& vis, u32 base, const TmaMap* to) {
+#endif
   using L = Layout<HD, BN, STAGES>;
   const int consumer = threadIdx.x / 128 - 1;
   const int warp_in_group = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
@@ -250,7 +328,12 @@ DEVI void consume(const AttnParams& p, const Tile& t, const Visibility& vis, u32
   const int row0 = t.m0 + consumer * 64 + warp_in_group * 16 + (lane >> 2);  // and row0 + 8
   const u32 q_rows = base + L::Q + consumer * 64 * 128;
   const float unit = MOD ? 1.f : p.scale_log2;  // log2 units per score unit
+#if VARLEN
+  ScoreMod mod = score_mod(p, t.b, t.h);  // ALiBi slopes are (B, Hq): per sequence
+  mod.offset = vis.offset;
+#else
   const ScoreMod mod = score_mod(p, t.b, t.h);
+#endif
 
   float o[HD / 2];
 #pragma unroll
@@ -270,6 +353,16 @@ DEVI void consume(const AttnParams& p, const Tile& t, const Visibility& vis, u32
     if (consumer == 1 && n_blocks > 0) named_arrive(TURN_BARRIER + 0, 256);  // the first consumer starts
 
   if (n_blocks > 0) mbar_wait(L::q_full(base), 0);
+#if VARLEN
+  // The last key block (the first processed, in stage 0) reaches past the sequence's keys: its rows
+  // there are the next sequence's, zeroed once both consumers can see them (uniform over the block).
+  if (n_blocks > 0 && (t.n_last + 1) * BN > vis.seqlen_k) {
+    mbar_wait(L::v_full(base, 0), 0);
+    zero_rows<HD, BN>(base + L::V, max(vis.seqlen_k - t.n_last * BN, 0), threadIdx.x - 128, 256);
+    fence_async_shared();  // generic-proxy stores, read by wgmma (async proxy)
+    named_sync(ZERO_BARRIER, 256);
+  }
+#endif
   if constexpr (!kOverlap) {
     for (int i = 0; i < n_blocks; ++i) {
       const int nb = t.n_last - i, s = i % STAGES;
@@ -366,19 +459,38 @@ DEVI void consume(const AttnParams& p, const Tile& t, const Visibility& vis, u32
   }
   if constexpr (kPingpong)
     if (consumer == 0 && n_blocks > 0) named_sync(TURN_BARRIER + 0, 256);  // the second consumer's last turn
+#if VARLEN
+  write_out_rows<BF16, HD>(p, vp, t, vis.seqlen_q, o, r, unit, consumer, warp_in_group, lane);
+#else
   write_out<BF16, HD>(p, t, to, o, r, unit, q_rows, consumer, warp_in_group, lane);
+#endif
 }
 
 template <bool BF16, int HD, int BN, bool MOD, int STAGES, bool kOverlap, bool kPingpong>
+#if VARLEN
+DEVI void attention_forward(const AttnParams& p, const TmaMap* tq, const TmaMap* tk, const TmaMap* tv,
+                            const TmaMap* to, const VarlenParams& vp) {
+#else
 DEVI void attention_forward(const AttnParams& p, const TmaMap* tq, const TmaMap* tk, const TmaMap* tv,
                             const TmaMap* to) {
+#endif
   using L = Layout<HD, BN, STAGES>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const u32 raw = smem_u32(smem_raw);
   const u32 base = (raw + 1023) & ~1023u;  // swizzle atoms need 1024-byte alignment
 
+#if VARLEN
+  // packed sequence b: the grid covers the longest; a tile past this one's last row leaves at once
+  const PackedSeq seq = packed_sequence(vp, p.key_offset, blockIdx.x / p.num_blocks / p.heads_q);
+  const Visibility vis{seq.info.seqlen_q, seq.info.seqlen_k, seq.info.offset, p.window_left, p.window_right};
+  Tile t = tile_of<BN>(p, vis);
+  if (t.m0 >= vis.seqlen_q) return;  // (the whole block, before any barrier)
+  t.q_start = seq.q_start;
+  t.k_start = seq.k_start;
+#else
   const Visibility vis = visibility(p);
   const Tile t = tile_of<BN>(p, vis);
+#endif
   if (threadIdx.x == 0) {
     mbar_init(L::q_full(base), 1);
     for (int s = 0; s < STAGES; ++s) {
@@ -396,15 +508,28 @@ DEVI void attention_forward(const AttnParams& p, const TmaMap* tq, const TmaMap*
     if (threadIdx.x == 0 && t.n_last >= t.n_first) produce<HD, BN, STAGES>(base, t, tq, tk, tv);
   } else {
     regs_alloc<CONSUMER_REGS>();
+#if VARLEN
+    consume<BF16, HD, BN, MOD, STAGES, kOverlap, kPingpong>(p, t, vis, base, to, vp);
+#else
     consume<BF16, HD, BN, MOD, STAGES, kOverlap, kPingpong>(p, t, vis, base, to);
+#endif
   }
 }
 
 }  // namespace sm90
 
+#if VARLEN
+extern "C" __global__ void __launch_bounds__(sm90::THREADS, 1)
+    attnx_fwd(const AttnParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
+              const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap to, const VarlenParams vp) {
+  sm90::attention_forward<IS_BF16 != 0, HEAD_DIM, BLOCK_N, SCORE_MOD != 0, KV_STAGES, OVERLAP != 0, PINGPONG != 0>(
+      p, &tq, &tk, &tv, &to, vp);
+}
+#else
 extern "C" __global__ void __launch_bounds__(sm90::THREADS, 1)
     attnx_fwd(const AttnParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
               const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap to) {
   sm90::attention_forward<IS_BF16 != 0, HEAD_DIM, BLOCK_N, SCORE_MOD != 0, KV_STAGES, OVERLAP != 0, PINGPONG != 0>(
       p, &tq, &tk, &tv, &to);
 }
+#endif
