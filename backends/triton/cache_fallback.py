@@ -94,14 +94,16 @@ def survives_cache_errors(fn):
     configured cache fails it; calls made while a broken directory is configured go there directly."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        directory = configured_dir()
-        private = _redirects.get(directory)
-        if private is None:
-            try:
-                return fn(*args, **kwargs)
-            except Exception as err:
-                if not is_cache_error(err, directory):
-                    raise
-                private = _private_for(directory, err)
+        if _redirects:  # (the common case, no broken cache seen, costs nothing here)
+            private = _redirects.get(configured_dir())
+            if private is not None:
+                return _run_in(private, fn, args, kwargs)
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:
+            directory = configured_dir()
+            if not is_cache_error(err, directory):
+                raise
+            private = _private_for(directory, err)
         return _run_in(private, fn, args, kwargs)
     return run
