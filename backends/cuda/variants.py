@@ -57,8 +57,9 @@ class Variant(NamedTuple):
                                # shifts (EXACT_ALPHA, common/softmax.cuh): lse exact over many key blocks (decode
                                # always, fwd from EXACT_ALPHA_MIN_KEYS keys; benchmarks/exact_alpha.py)
     l2_prefetch: int = 0  # decode: cp.async's L2 prefetch hint in bytes (0, 128, 256; L2_PREFETCH, sm80/ptx.cuh)
-    varlen: bool = False  # Ampere fwd: packed q and k/v through cu_seqlens (VARLEN, common/varlen.cuh; a second
-                          # kernel argument; `varlen_forward_variant`, launch_varlen: both families' varlen forward)
+    varlen: bool = False  # fwd: packed q and k/v through cu_seqlens (VARLEN, common/varlen.cuh; a VarlenParams
+                          # kernel argument): the Ampere forward (`varlen_forward_variant`, launch_varlen: both
+                          # families' varlen forward) and the opt-in Hopper one (`hopper_varlen_variant`)
 
     @property
     def threads(self) -> int:
