@@ -125,6 +125,8 @@ def prepare(p, x: Inputs, *, variant: Optional[Variant] = None) -> VarlenLaunch:
     if max(total_q, total_k) >= MAX_SEQLEN:  # the kernel's positions (and per-sequence offsets) are int32
         raise InvalidArgumentError(f"packed lengths {total_q}/{total_k} at or above {MAX_SEQLEN}")
     q, k, v = kernel_operand(x.q, d), kernel_operand(x.k, d), kernel_operand(x.v, dv)
+    if total_k == 0:  # no keys anywhere: one zero row the kernel never reads (a TMA map cannot be empty)
+        k, v = k.new_zeros(1, *k.shape[1:]), v.new_zeros(1, *v.shape[1:])
     x = x.replace(alibi_slopes=_vector(x.alibi_slopes), sinks=_vector(x.sinks))
     out = alloc_out(p, q)
     out_k = out if (dv == p.head_dim_v and _strides_ok(out) and out.data_ptr() % 16 == 0) else \
