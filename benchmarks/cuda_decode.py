@@ -130,11 +130,13 @@ TILE_CASES = (  # (name, page size, first length) of cases()
 
 def tile_label(v) -> str:
     """A candidate's short name: keys per warp block, warps, stages (+ea: EXACT_ALPHA; +l2_N: cp.async's
-    L2 prefetch hint of N bytes where it is not the launcher's, `variants.DECODE_L2_PREFETCH`)."""
+    L2 prefetch hint of N bytes where it is not the launcher's, `variants.DECODE_L2_PREFETCH`; +swz / +pad: K/V
+    rows swizzled or padded where the launcher's differ, `variants.DECODE_KV_SWIZZLE`)."""
     from attnx.backends.cuda import variants
 
     return (f"n{v.block_n}w{v.warps}s{v.stages}" + ("+ea" if v.exact_alpha else "")
-            + (f"+l2_{v.l2_prefetch}" if v.l2_prefetch != variants.DECODE_L2_PREFETCH else ""))
+            + (f"+l2_{v.l2_prefetch}" if v.l2_prefetch != variants.DECODE_L2_PREFETCH else "")
+            + (("+swz" if v.kv_swizzle else "+pad") if v.kv_swizzle != variants.DECODE_KV_SWIZZLE else ""))
 
 
 def tile_candidates(head_dim: int = 128, exact_alpha: bool = False, family: str = "sm90") -> list:
@@ -153,7 +155,8 @@ def pick_tiles(labels: str, head_dim: int = 128, exact_alpha: bool = False) -> l
     if labels == "all":
         return tile_candidates(head_dim, exact_alpha)
     every = tile_candidates(head_dim)
-    twins = [v._replace(exact_alpha=ea, l2_prefetch=l2) for v in every for ea in (False, True) for l2 in (0, 128, 256)]
+    twins = [v._replace(exact_alpha=ea, l2_prefetch=l2, kv_swizzle=swz) for v in every for ea in (False, True)
+             for l2 in (0, 128, 256) for swz in (False, True)]
     by_label = {tile_label(v): v for v in twins}
     found = []
     for label in labels.split(","):
@@ -192,7 +195,7 @@ def tile_variant(p, tile):
         raise ValueError(f"candidate {tile_label(tile)} is a d{tile.head_dim} tile; the call's is "
                          f"{base and base.head_dim}")
     v = base._replace(block_m=16, block_n=tile.block_n, warps=tile.warps, stages=tile.stages,
-                      exact_alpha=tile.exact_alpha, l2_prefetch=tile.l2_prefetch)
+                      exact_alpha=tile.exact_alpha, l2_prefetch=tile.l2_prefetch, kv_swizzle=tile.kv_swizzle)
     if v.shared_bytes() > variants.max_shared(p.capability):
         raise ValueError(f"candidate {tile_label(tile)} needs {v.shared_bytes()} bytes of shared memory; "
                          f"{p.arch} has {variants.max_shared(p.capability)}")

@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full decode-sweep decode-splits varlen-cuda varlen-hopper reliability splitwait replay recheck nan-fixup
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full decode-sweep decode-swizzle decode-splits varlen-cuda varlen-hopper reliability splitwait replay recheck nan-fixup
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -166,6 +166,13 @@ for step in "$@"; do
                 ncu --import "$0/logs/decode.ncu-rep" --page source --csv --print-source sass > "$0/logs/ncu-decode-sass.csv" &&
                 gzip -f "$0/logs/ncu-decode-sass.csv" && rm -f "$0/logs/decode.ncu-rep"' "$out" ;;
     decode-sweep) run_step decode-sweep 150 python3 -m benchmarks.cuda_decode sweep --exact-alpha ;;
+    # the swizzled K/V ring (KV_SWIZZLE, 2026-12-02): every d128 case and the tile cases at d64/d256, then the
+    # launcher's tile padded vs swizzled (and s4, which the smaller rows leave room for) side by side
+    decode-swizzle) run_step decode-swizzle-check 200 bash -c 'python3 -m benchmarks.cuda_decode check --tile n16w4s3+ea+swz --all-cases &&
+                python3 -m benchmarks.cuda_decode check --head-dim 64 --tile n16w4s4+ea+swz &&
+                python3 -m benchmarks.cuda_decode check --head-dim 256 --tile n16w4s2+ea+swz'
+            [ -n "${passed[decode-swizzle-check]:-}" ] && run_step decode-swizzle-sweep 200 python3 -m benchmarks.cuda_decode \
+                sweep --tile n16w4s3+ea,n16w4s3+ea+swz,n16w4s4+ea+swz --batches 1,8,64 ;;
     # the Ampere-family varlen forward (VARLEN knob, written offline): check, garbage cu_seqlens under
     # memcheck, then time beside triton's varlen and the dense kernel
     varlen-cuda) run_step varlen-cuda-check 120 python3 -m benchmarks.cuda_varlen check

@@ -57,6 +57,7 @@ class Variant(NamedTuple):
                                # shifts (EXACT_ALPHA, common/softmax.cuh): lse exact over many key blocks (decode
                                # always, fwd from EXACT_ALPHA_MIN_KEYS keys; benchmarks/exact_alpha.py)
     l2_prefetch: int = 0  # decode: cp.async's L2 prefetch hint in bytes (0, 128, 256; L2_PREFETCH, sm80/ptx.cuh)
+    kv_swizzle: bool = False  # decode: K/V ring rows unpadded and XOR-swizzled (KV_SWIZZLE, sm80/fa_decode.cu)
     varlen: bool = False  # fwd: packed q and k/v through cu_seqlens (VARLEN, common/varlen.cuh; a VarlenParams
                           # kernel argument): the Ampere forward (`varlen_forward_variant`, launch_varlen: both
                           # families' varlen forward) and the opt-in Hopper one (`hopper_varlen_variant`)
@@ -105,6 +106,8 @@ class Variant(NamedTuple):
             d["EXACT_ALPHA"] = int(self.exact_alpha)
             if self.l2_prefetch:
                 d["L2_PREFETCH"] = self.l2_prefetch
+            if self.kv_swizzle:
+                d["KV_SWIZZLE"] = 1
         if self.hopper_forward:
             d.update(OVERLAP=int(self.overlap), PINGPONG=int(self.pingpong))
             del d["BLOCK_M"], d["NUM_WARPS"]  # fixed by the kernel's warpgroup roles
@@ -132,7 +135,8 @@ class Variant(NamedTuple):
         if self.kernel == "decode":
             # Q tile + each warp's ring of STAGES x (K, V) blocks; the end-of-loop merge buffer (fp32 out,
             # max and sum of every warp's 16 rows) overlays them
-            ring = (16 + 2 * self.warps * self.stages * self.block_n) * ld * 2
+            kv_ld = self.head_dim if self.kv_swizzle else ld
+            ring = 16 * ld * 2 + 2 * self.warps * self.stages * self.block_n * kv_ld * 2
             merge = self.warps * 16 * ((self.head_dim + 4) * 4 + 8)
             return max(ring, merge)
         if self.kernel == "fwd":
@@ -154,6 +158,7 @@ class Variant(NamedTuple):
         stages = f" s{self.stages}" if self.kernel in ("fwd", "bwd_dq", "decode") else ""
         stages += ("+overlap" if self.overlap else "") + ("+pingpong" if self.pingpong else "")
         stages += "+exactalpha" if self.exact_alpha else ""
+        stages += "+swizzle" if self.kv_swizzle else ""
         stages += "+varlen" if self.varlen else ""
         tile = f"d{self.head_dim} {self.block_m}x{self.block_n} w{self.warps}{stages}"
         return f"{self.family} {self.kernel} {tile} {flags}"
@@ -209,6 +214,8 @@ DECODE_TILES = {
 DECODE_HEAD_DIM_TILES = tuple(DECODE_TILES)
 DECODE_L2_PREFETCH = 128  # the decode kernel's cp.async L2 prefetch hint (bytes; sm80/ptx.cuh L2_PREFETCH): the
 # H200 sweep of 2026-12-02 (run 6): +1-3 % over none on a cache, 256 slower on paged caches
+DECODE_KV_SWIZZLE = False  # the decode kernel's K/V ring rows: padded (False) or swizzled (KV_SWIZZLE, opt-in:
+# written 2026-12-02 after ncu showed the padded rows' copies reading 1.5x the ideal L2 sectors; not yet timed)
 COMBINE_WARPS = 4  # decode_combine: one block of 4 warps per row (fa_decode.cu COMBINE_WARPS)
 # head-dim tiles of each family's kernels ("bwd", the Ampere backward, runs on sm_90 for head dims
 # above 128 and in the deterministic mode, which uses its tiles for dK/dV and for the dQ pass)
@@ -351,7 +358,7 @@ def decode_variant(family: Family, bf16: bool, tile: int, score_mod: bool, max_s
         return None
     for t in DECODE_TILES.get(tile, ()):
         v = Variant(family.name, "decode", bf16, tile, t.block_m, t.block_n, t.warps, score_mod, stages=t.stages,
-                    exact_alpha=True, l2_prefetch=DECODE_L2_PREFETCH)
+                    exact_alpha=True, l2_prefetch=DECODE_L2_PREFETCH, kv_swizzle=DECODE_KV_SWIZZLE)
         if v.shared_bytes() <= max_shared:
             return v
     return None
@@ -381,7 +388,7 @@ def decode_sweep_variants(tile: int, *, family: str = "sm90", bf16: bool = True,
         for w in DECODE_SWEEP_WARPS:
             for st in DECODE_SWEEP_STAGES:
                 v = Variant(fam.name, "decode", bf16, tile, 16, bn, w, score_mod, stages=st,
-                            l2_prefetch=DECODE_L2_PREFETCH)
+                            l2_prefetch=DECODE_L2_PREFETCH, kv_swizzle=DECODE_KV_SWIZZLE)
                 if v.shared_bytes() <= shared and v not in found:
                     found.append(v)
     return [v._replace(exact_alpha=exact_alpha) for v in found]

@@ -17,6 +17,7 @@
 // Compile-time knobs (NVRTC -D): IS_BF16, HEAD_DIM (padded tile: 64/128/256), BLOCK_N (keys per
 // warp block: 16, 32 or 64), NUM_WARPS, SCORE_MOD (softcap/ALiBi/scale <= 0), KV_STAGES (2..4),
 // EXACT_ALPHA (common/softmax.cuh: the rescale factor from the rounded product, default 0);
+// KV_SWIZZLE (default 0): K/V rows unpadded with their 16-byte chunks XOR-swizzled (`kv_chunk`);
 // DECODE_COMBINE=1 builds only the combine kernel (its own specialisation: IS_BF16).
 #include "common/mask.cuh"
 #include "common/score_mod.cuh"
@@ -64,9 +65,28 @@ DEVI int sequence_keys(const DecodeParams& p, int b) {
 }
 
 #if !defined(DECODE_COMBINE) || !DECODE_COMBINE
+#ifndef KV_SWIZZLE
+#define KV_SWIZZLE 0
+#endif
 
-// Copy key block [n0, n0 + BN) of K and V into one ring stage (row stride LD = HD + 8: ldmatrix
-// without bank conflicts). Keys >= Sk and columns past the head dims are zero-filled without a
+// Elements per K/V row in a ring stage, and the byte offset of 16-byte chunk cc of row r. Padded rows
+// (HD + 8) keep ldmatrix free of bank conflicts but shift each global 128-byte line across two shared
+// 128-byte lines, which cp.async turns into extra L2 sector reads (ncu on the H200: 1.5x the ideal
+// sectors). KV_SWIZZLE: rows of HD elements, each line's chunks XOR-ed with the row's low 3 bits, so
+// a global line lands on one shared line and ldmatrix's 8 rows still hit 8 different bank groups.
+template <int HD>
+DEVI constexpr int kv_ld() { return KV_SWIZZLE ? HD : HD + 8; }
+template <int HD>
+DEVI u32 kv_chunk(int r, int cc) {
+#if KV_SWIZZLE
+  static_assert(HD % 64 == 0, "swizzled rows are whole 128-byte lines");
+  return (u32)(r * HD * 2 + ((cc & ~7) | ((cc ^ r) & 7)) * 16);
+#else
+  return (u32)(2 * (r * (HD + 8) + cc * 8));
+#endif
+}
+
+// Copy key block [n0, n0 + BN) of K and V into one ring stage (rows at `kv_chunk`). Keys >= Sk and columns past the head dims are zero-filled without a
 // read. Paged: lane j holds the pool page and row of key n0 + j in (pg, pr) and, for 64-key blocks,
 // of key n0 + 32 + j in (pg2, pr2), shuffled to the copiers; copy i of a lane covers row
 // r = (lane + 32 i) / CPR, whose register pair r / 32 is i / CPR for every lane (lane < 32): known
@@ -74,7 +94,7 @@ DEVI int sequence_keys(const DecodeParams& p, int b) {
 template <int HD, int BN>
 DEVI void load_kv(u32 sK, u32 sV, const DecodeParams& p, const u16* kbase, const u16* vbase, int n0, int Sk,
                   int pg, int pr, int pg2, int pr2, int lane) {
-  constexpr int CPR = HD / 8, LD = HD + 8, CHUNKS = BN * CPR / 32;
+  constexpr int CPR = HD / 8, CHUNKS = BN * CPR / 32;
   static_assert(BN <= 64, "two page registers per lane");
   const bool paged = p.page_table != nullptr;
 #pragma unroll
@@ -100,7 +120,7 @@ DEVI void load_kv(u32 sK, u32 sV, const DecodeParams& p, const u16* kbase, const
     }
     const bool row_ok = j < Sk;
     const bool kok = row_ok && cc * 8 < p.head_dim, vok = row_ok && cc * 8 < p.head_dim_v;
-    const u32 dst = 2 * (r * LD + cc * 8);
+    const u32 dst = kv_chunk<HD>(r, cc);
     cp_async16(sK + dst, kok ? kbase + koff + cc * 8 : kbase, kok);
     cp_async16(sV + dst, vok ? vbase + voff + cc * 8 : vbase, vok);
   }
@@ -139,12 +159,12 @@ DEVI void decode_forward(const DecodeParams& p) {
   static_assert(BN % 16 == 0 && BN <= 64 && (BN * HD / 8) % 32 == 0, "a warp block is 16, 32 or 64 keys");
   static_assert(STAGES >= 2 && STAGES <= 4, "2..4 stages");
 
-  extern __shared__ __align__(16) u16 smem[];
-  u16* sQ = smem;  // 16 x LD, then each warp's ring of STAGES x (K, V) blocks
+  extern __shared__ __align__(KV_SWIZZLE ? 128 : 16) u16 smem[];
+  u16* sQ = smem;  // 16 x LD, then each warp's ring of STAGES x (K, V) blocks (128-byte aligned: 16 LD rows)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
-  const u32 ring = smem_u32(sQ + 16 * LD + warp * STAGES * 2 * BN * LD);
-  constexpr u32 STAGE_BYTES = 2 * BN * LD * 2, V_BYTES = BN * LD * 2;
+  const u32 ring = smem_u32(sQ + 16 * LD + warp * STAGES * 2 * BN * kv_ld<HD>());
+  constexpr u32 STAGE_BYTES = 2 * BN * kv_ld<HD>() * 2, V_BYTES = BN * kv_ld<HD>() * 2;
 
   const int programs = p.batch * p.heads_kv * p.row_chunks;
   const int split = blockIdx.x / programs;
@@ -278,7 +298,7 @@ DEVI void decode_forward(const DecodeParams& p) {
 #pragma unroll
       for (int np = 0; np < NT / 2; ++np) {
         u32 bf[4];
-        ldsm_x4(bf, sK_a + 2 * ((np * 16 + bn_row) * LD + ks * 16 + bn_col));
+        ldsm_x4(bf, sK_a + kv_chunk<HD>(np * 16 + bn_row, ks * 2 + bn_col / 8));
         mma16816<BF16>(s[2 * np], a, bf[0], bf[1]);
         mma16816<BF16>(s[2 * np + 1], a, bf[2], bf[3]);
       }
@@ -346,7 +366,7 @@ DEVI void decode_forward(const DecodeParams& p) {
 #pragma unroll
       for (int dp = 0; dp < DT / 2; ++dp) {
         u32 bf[4];
-        ldsm_x4_t(bf, sV_a + 2 * ((kk * 16 + bt_row) * LD + dp * 16 + bt_col));
+        ldsm_x4_t(bf, sV_a + kv_chunk<HD>(kk * 16 + bt_row, dp * 2 + bt_col / 8));
         mma16816<BF16>(acc[2 * dp], a, bf[0], bf[1]);
         mma16816<BF16>(acc[2 * dp + 1], a, bf[2], bf[3]);
       }
