@@ -130,13 +130,13 @@ TILE_CASES = (  # (name, page size, first length) of cases()
 
 def tile_label(v) -> str:
     """A candidate's short name: keys per warp block, warps, stages (+ea: EXACT_ALPHA; +l2_N: cp.async's
-    L2 prefetch hint of N bytes where it is not the launcher's, `variants.DECODE_L2_PREFETCH`; +swz / +pad: K/V
-    rows swizzled or padded where the launcher's differ, `variants.DECODE_KV_SWIZZLE`)."""
+    L2 prefetch hint of N bytes where it is not the launcher's, `variants.DECODE_L2_PREFETCH`; +swz: K/V rows
+    swizzled, as the launcher's for dense and cache keys, `variants.DECODE_KV_SWIZZLE`; else padded)."""
     from attnx.backends.cuda import variants
 
     return (f"n{v.block_n}w{v.warps}s{v.stages}" + ("+ea" if v.exact_alpha else "")
             + (f"+l2_{v.l2_prefetch}" if v.l2_prefetch != variants.DECODE_L2_PREFETCH else "")
-            + (("+swz" if v.kv_swizzle else "+pad") if v.kv_swizzle != variants.DECODE_KV_SWIZZLE else ""))
+            + ("+swz" if v.kv_swizzle else ""))
 
 
 def tile_candidates(head_dim: int = 128, exact_alpha: bool = False, family: str = "sm90") -> list:

@@ -48,10 +48,38 @@ def check_copy_map(variant) -> None:
             seen.add((row, col))
     if len(seen) != bn * cpr or seen != {(r, c) for r in range(bn) for c in range(cpr)}:
         raise AssertionError(f"copies cover {len(seen)} of {bn * cpr} chunks")
-    ring = (16 + nw * st * 2 * bn) * ld * 2
+    kv_ld = hd if variant.kv_swizzle else ld
+    if variant.kv_swizzle:
+        check_swizzle(bn, hd)
+    ring = 16 * ld * 2 + nw * st * 2 * bn * kv_ld * 2
     merge = nw * 16 * ((hd + 4) * 4 + 8)
     if max(ring, merge) > variant.shared_bytes():
         raise AssertionError(f"the rings need {ring} / merge {merge} bytes, launched with {variant.shared_bytes()}")
+
+
+def kv_chunk(r: int, cc: int, hd: int) -> int:
+    """fa_decode.cu `kv_chunk` with KV_SWIZZLE: the byte offset of 16-byte chunk cc of row r in a stage."""
+    return r * hd * 2 + ((cc & ~7) | ((cc ^ r) & 7)) * 16
+
+
+def check_swizzle(bn: int, hd: int) -> None:
+    """The swizzled ring's map: a bijection onto the BLOCK_N x HD stage; each global 128-byte line (8 chunks of
+    a row) on one shared 128-byte line; the 8 row addresses of every ldmatrix 8x8 matrix (8 consecutive rows
+    at one chunk) in 8 different 16-byte bank groups."""
+    if hd % 64:
+        raise ValueError(f"KV_SWIZZLE needs whole 128-byte lines per row, HEAD_DIM={hd}")
+    cpr = hd // 8
+    offsets = {kv_chunk(r, c, hd) for r in range(bn) for c in range(cpr)}
+    if offsets != set(range(0, bn * hd * 2, 16)):
+        raise AssertionError("the swizzle does not tile the stage exactly")
+    for r in range(bn):
+        for line in range(cpr // 8):
+            if len({kv_chunk(r, line * 8 + c, hd) // 128 for c in range(8)}) != 1:
+                raise AssertionError(f"row {r}'s line {line} spans two shared lines")
+    for r0 in range(0, bn, 8):
+        for c in range(cpr):
+            if len({(kv_chunk(r0 + i, c, hd) // 16) % 8 for i in range(8)}) != 8:
+                raise AssertionError(f"ldmatrix rows {r0}..{r0 + 7} chunk {c}: bank conflict")
 
 
 def emulate(plan):

@@ -186,8 +186,9 @@ def test_decode_compiles_without_spills_for_sm_90a():
     if reason:
         pytest.skip(reason)
     shared = variants.max_shared((9, 0))
-    for tile in (128, 256):
-        v = variants.decode_variant(families.HOPPER, True, tile, tile == 256, shared)
+    for tile, kv_format in ((128, "cache"), (128, "paged"), (256, "cache"), (256, "paged")):
+        v = variants.decode_variant(families.HOPPER, True, tile, tile == 256, shared, kv_format)
+        assert v.kv_swizzle == variants.DECODE_KV_SWIZZLE[kv_format]
         ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
                                                    (*nvrtc_options(v, "sm_90a"), "-Xptxas=-v"))
         assert ok and size > 0, log[:2000]

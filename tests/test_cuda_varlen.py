@@ -19,8 +19,7 @@ import torch
 import attnx
 from attnx import dispatch
 from attnx.autograd import backend_view
-from attnx.backends.cuda import backend as cuda_backend
-from attnx.backends.cuda import families, launch, launch_decode, launch_varlen, nvrtc_check, variants
+from attnx.backends.cuda import families, launch, launch_decode, launch_varlen, nvrtc_check, tensor_maps, variants
 from attnx.backends.cuda.compile import kernel_source, nvrtc_options
 from attnx.conformance.cases import generate_cases
 from attnx.problem import Problem, make_call
@@ -105,14 +104,11 @@ def test_dense_tables_ask_varlen_0_and_the_varlen_variants_are_listed_for_ci():
         fwd = [v for v in variants.all_variants(family) if v.kernel == "fwd"]
         dense = [v for v in fwd if not v.varlen]
         assert dense
-        for v in fwd:
-            want = () if v.hopper_forward else (f"-DVARLEN={int(v.varlen)}",)  # only the Ampere forward has it
+        for v in fwd:  # the Ampere forward always has the knob; the Hopper one only in its packed builds
+            want = (f"-DVARLEN={int(v.varlen)}",) if not v.hopper_forward or v.varlen else ()
             assert tuple(d for d in v.defines() if d.startswith("-DVARLEN")) == want
-        packed = {v for v in fwd if v.varlen}
-        if family is families.AMPERE:  # every packed variant launch_varlen can ask for, both EXACT_ALPHA twins
-            assert packed == {w._replace(varlen=True) for w in dense}
-        else:
-            assert not packed
+        # every packed variant launch_varlen can ask for, both EXACT_ALPHA twins
+        assert {v for v in fwd if v.varlen} == {w._replace(varlen=True) for w in dense}
     for cap in ((8, 0), (8, 6), (9, 0)):
         v = variants.varlen_forward_variant(True, 128, False, variants.max_shared(cap))
         assert v.family == "sm80" and v.source == "sm80/fa_fwd.cu" and v.function == "attnx_fwd"
@@ -139,8 +135,9 @@ def test_prepare_packs_a_call_on_the_host():
     assert launch_varlen.runs_varlen(p) and not launch_varlen.varlen_reasons(p)
     plan = launch_varlen.prepare(p, x)
     r, vr = plan.args, plan.varlen
-    assert plan.variant.varlen and plan.variant.family == "sm80" and plan.variant.head_dim == 128
-    assert r["num_blocks"] == 3 and plan.grid == 4 * 8 * 3  # B x Hq x ceil(300 / 128)
+    family = "sm90" if launch_varlen.hopper_runs(p) else "sm80"  # (with cuda-bindings: the Hopper kernel)
+    assert plan.variant.varlen and plan.variant.family == family and plan.variant.head_dim == 128
+    assert plan.variant.block_m == 128 and r["num_blocks"] == 3 and plan.grid == 4 * 8 * 3  # B x Hq x ceil(300 / 128)
     assert (r["q_bs"], r["q_hs"], r["q_rs"]) == (0, 128, 8 * 128)
     assert (r["k_bs"], r["k_hs"], r["k_rs"]) == (0, 128, 2 * 128) and r["v_rs"] == 2 * 128
     assert (r["o_bs"], r["o_hs"], r["o_rs"]) == (0, 128, 8 * 128) and r["group"] == 4
@@ -242,24 +239,47 @@ def test_packed_forwards_are_accepted(arch, name):
     assert launch_varlen.runs_varlen(p)
 
 
-def test_hopper_needs_no_cuda_bindings_for_packed_calls(monkeypatch):
-    """The Ampere kernel runs packed calls on sm_90: no TMA tensor maps, so no cuda-bindings reason."""
-    monkeypatch.setattr(cuda_backend, "_driver_bindings", lambda: False)
-    assert not CUDA.extra_reasons(_varlen_problem("sm_90"))
+@pytest.fixture
+def bindings(monkeypatch):
+    """Set whether cuda-bindings (TMA tensor maps) is importable, for the launcher's picks."""
+    def set_available(available: bool):
+        monkeypatch.setattr(tensor_maps, "tensor_maps_available", lambda: available)
+        launch_varlen.varlen_variant_for.cache_clear()
+    yield set_available
+    launch_varlen.varlen_variant_for.cache_clear()
+
+
+def test_hopper_needs_no_cuda_bindings_for_packed_calls(bindings):
+    """Without cuda-bindings sm_90 runs packed calls on the Ampere kernel (no TMA maps): no reason, and the
+    dense forward names the missing bindings."""
+    bindings(False)
+    p = _varlen_problem("sm_90")
+    assert not CUDA.extra_reasons(p)
+    assert launch_varlen.varlen_variant_for(p).family == "sm80" and not launch_varlen.hopper_runs(p)
     dense = _varlen_problem("sm_90", q_format="dense", kv_format="dense")
     assert any("cuda-bindings" in r for r in CUDA.extra_reasons(dense))
 
 
+@pytest.mark.parametrize("available", (True, False))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_packed_forwards_rank_below_triton(arch):
-    """Triton's varlen kernel was 1.25-1.4x faster on the H200; nothing was measured on sm_80..89."""
+def test_packed_forwards_rank_by_kernel(arch, available, bindings):
+    """The Hopper varlen kernel (sm_90 with cuda-bindings) was 1.14-1.52x triton's varlen kernel at d128 on the
+    H200 and ranks above it; the Ampere one was 0.71-0.86x and ranks below (nothing measured on sm_80..89)."""
+    bindings(available)
     triton = attnx.get_backend("triton")
+    hopper = available and arch == "sm_90"
     for p in (_varlen_problem(arch), _varlen_problem(arch, causal=True, seqlen_q=16384, seqlen_k=16384)):
         key = p.bucketed()
-        assert attnx.get_backend("blocked").rank(key) < CUDA.rank(key) < triton.rank(key)
-        assert CUDA.rank(key) == CUDA.varlen_priority["cuda:sm_90" if arch == "sm_90" else "cuda:nvidia"]
+        variant = launch_varlen.varlen_variant_for(p)
+        assert variant.varlen and (variant.family == "sm90") == hopper and variant.hopper_forward == hopper
+        assert attnx.get_backend("blocked").rank(key) < CUDA.rank(key)
+        if hopper:
+            assert CUDA.rank(key) == CUDA.hopper_varlen_priority > triton.rank(key)
+        else:
+            assert CUDA.rank(key) == CUDA.varlen_priority["cuda:sm_90" if arch == "sm_90" else "cuda:nvidia"]
+            assert CUDA.rank(key) < triton.rank(key)
         order = dispatch.priority(p)
-        assert order.index("triton") < order.index("cuda") < order.index("blocked")
+        assert (order.index("cuda") < order.index("triton")) == hopper
     # dense forwards keep their place (ahead of triton)
     dense = _varlen_problem(arch, q_format="dense", kv_format="dense").bucketed()
     assert CUDA.rank(dense) > triton.rank(dense)

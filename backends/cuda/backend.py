@@ -8,18 +8,11 @@ import torch
 from attnx.backend import Backend
 from attnx.limits import length_reasons
 
+from . import tensor_maps
 from .families import capability_range
 from .variants import HEAD_DIM_TILES
 
 _LOWEST, _HIGHEST = capability_range()
-
-
-def _driver_bindings() -> bool:
-    try:
-        from cuda.bindings import driver  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _hopper_backward(p) -> bool:
@@ -72,12 +65,14 @@ class CudaBackend(Backend):
     priority = {"cuda:nvidia": 80, "cuda:sm_90": 60}
     forward_priority = {"cuda:sm_90": 96}
     hopper_training_priority = 92
-    # Packed (varlen) forwards run the Ampere mma.sync kernel on every family, which was slower than triton's
-    # varlen kernel on the H200 (2026-12-02, benchmarks/results/h200-2026-12-02-run2/varlen-cuda-time.log):
-    # 0.71-0.86x of its TFLOP/s in 11 of 12 settings (1.03x in one: d64 causal, 16 equal sequences), e.g.
-    # d128 non-causal, one 16k sequence: 326 against 451. So varlen ranks below triton (90 on sm_90, 70 on
-    # other NVIDIA GPUs) everywhere: no sm_80/86/89 (Ampere/Ada) GPU was measured, and nothing says this
-    # kernel beats triton's there. Still ahead of blocked (20) and naive (10).
+    # Packed (varlen) forwards (launch_varlen). The Hopper kernel (sm_90 with cuda-bindings) against triton's
+    # varlen kernel on the H200 (2026-12-02, bf16, 16k packed tokens, benchmarks/results/h200-2026-12-02-run7/
+    # varlen-hopper-time.log): d128 1.14-1.52x in all 6 settings; d64 1.10-1.26x with one long or 16 equal
+    # causal sequences, 0.97-0.99x with random or equal lengths without causal. So it ranks 93, above triton
+    # (90). The Ampere mma.sync kernel (other GPUs, sm_90 without cuda-bindings) was 0.71-0.86x triton's in 11
+    # of 12 settings on the H200 (run2): below triton (85 on sm_90, 65 on other NVIDIA GPUs, where nothing was
+    # measured). Still ahead of blocked (20) and naive (10).
+    hopper_varlen_priority = 93
     varlen_priority = {"cuda:sm_90": 85, "cuda:nvidia": 65}
 
     required_modules = ("cupy",)
@@ -115,7 +110,7 @@ class CudaBackend(Backend):
             reasons.append(f"no forward tile for head dim {tile} fits {shared} bytes of shared memory")
         elif p.batch * p.heads_q * math.ceil(p.seqlen_q / fwd.block_m) > MAX_GRID:
             reasons.append("too many query blocks for one launch")
-        if family.tensor_maps and not _driver_bindings():
+        if family.tensor_maps and not tensor_maps.tensor_maps_available():
             reasons.append(f"the {family.name} forward encodes TMA tensor maps through cuda-bindings, "
                            "which is not installed (pip install cuda-bindings)")
         tile = head_dim_tile(p.head_dim, p.head_dim_v, family, "bwd")
@@ -126,9 +121,14 @@ class CudaBackend(Backend):
         return reasons
 
     def rank(self, p) -> int:
-        """Packed q: `varlen_priority` (85 on sm_90, 65 elsewhere: below triton, whose varlen kernel was faster).
-        Otherwise on sm_90: 96 without gradients, 92 with gradients the Hopper backward runs; else `priority`."""
+        """Packed q: 93 where the Hopper varlen kernel runs (above triton), else `varlen_priority` (below
+        triton). Otherwise on sm_90: 96 without gradients, 92 with gradients the Hopper backward runs; else
+        `priority`."""
         if p.q_format == "varlen":
+            from .launch_varlen import hopper_runs
+
+            if hopper_runs(p):
+                return self.hopper_varlen_priority
             for device_class in p.device_classes:
                 if device_class in self.varlen_priority:
                     return self.varlen_priority[device_class]

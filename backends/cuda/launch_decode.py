@@ -117,7 +117,8 @@ def decode_variant_for(p) -> Optional[Variant]:
     if found is None:
         return None
     family, tile = found
-    return decode_variant(family, p.dtype == torch.bfloat16, tile, score_mod(p), max_shared(p.capability))
+    return decode_variant(family, p.dtype == torch.bfloat16, tile, score_mod(p), max_shared(p.capability),
+                          p.kv_format)
 
 
 class DecodeLaunch(NamedTuple):

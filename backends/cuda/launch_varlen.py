@@ -1,11 +1,14 @@
-"""Launcher of the Ampere forward built for packed (varlen) q and k/v (kernels/sm80/fa_fwd.cu, VARLEN=1).
+"""Launcher of the forwards built for packed (varlen) q and k/v: the Hopper one (kernels/sm90/fa_fwd.cu,
+VARLEN=1: TMA and wgmma) on sm_90 where cuda-bindings encodes its tensor maps, else the Ampere one
+(kernels/sm80/fa_fwd.cu, VARLEN=1: cp.async and mma.sync), which every family can run.
 
 Dispatched: `CudaBackend` declares ("varlen", "varlen") for the forward and sends those problems here
-(`varlen_reasons` from `extra_reasons`, `forward`); it ranks them below triton (`varlen_priority`).
-Checked on the H200 2026-12-02 (`python -m benchmarks.cuda_varlen check`: 49/49 against float64,
-compute-sanitizer memcheck clean on garbage cu_seqlens; 0.71-0.86x triton's varlen speed; NOTES.md
-"Varlen forward"). Both families run it (sm_90 builds the Ampere kernel for sm_90a: no TMA, so
-no cuda-bindings needed). Forward only.
+(`varlen_reasons` from `extra_reasons`, `forward`); `CudaBackend.rank` places the Hopper kernel above
+triton and the Ampere one below it. Checked on the H200 2026-12-02 (`python -m benchmarks.cuda_varlen
+check`, both kernels: 49/49 against float64, compute-sanitizer memcheck clean on garbage cu_seqlens).
+Speed there (bf16, 16k packed tokens, `time --hopper`): the Hopper kernel 0.83-0.99x the dense Hopper
+forward's TFLOP/s and 0.97-1.52x triton's varlen kernel; the Ampere one 0.71-0.86x triton's (NOTES.md
+"Varlen forward"). Forward only.
 
 The kernel takes the usual `AttnParams` (packed tensors: batch strides 0) and a `VarlenParams` record
 (cu_seqlens pointers, the packed lengths, the alignment). The grid is B x Hq x the query blocks of the
@@ -32,7 +35,9 @@ from .families import AMPERE, family_for, nvrtc_arch
 from . import launch
 from .launch import _check_grid, _common, _strides_ok, _vector, kernel_operand, round8, score_mod
 from .params import pack_params
-from .variants import Variant, forward_rounds_rescale, head_dim_tile, max_shared, varlen_forward_variant
+from . import tensor_maps
+from .variants import (Variant, forward_rounds_rescale, head_dim_tile, hopper_varlen_variant, max_shared,
+                       varlen_forward_variant)
 
 # common/varlen.cuh VarlenParams: 8-byte fields, then 4-byte fields, in the C order
 VARLEN_PARAMS_DTYPE = np.dtype([("cu_seqlens_q", np.uint64), ("cu_seqlens_k", np.uint64), ("total_q", np.int32),
@@ -47,28 +52,36 @@ def pack_varlen_params(**values):
     return record[()]
 
 
+def hopper_runs(p) -> bool:
+    """Whether `p`'s GPU runs the Hopper varlen forward: a family with TMA maps, and cuda-bindings to encode them."""
+    family = family_for(p.capability)
+    return family is not None and family.tensor_maps and tensor_maps.tensor_maps_available()
+
+
 @functools.lru_cache(maxsize=1024)
 def varlen_variant_for(p) -> Optional[Variant]:
-    """The VARLEN=1 forward for `p` on its GPU (the Ampere tile set, whichever family covers the GPU), or None.
-    With EXACT_ALPHA from `EXACT_ALPHA_MIN_KEYS` keys in the longest sequence, as the dense launchers (the
-    fused rescale's lse drift passes 1e-3 near 1M keys; NVRTC: same spills as without it; not run on a GPU
-    yet, the H200 check's sequences are shorter)."""
-    if family_for(p.capability) is None:
+    """The VARLEN=1 forward for `p` on its GPU (`hopper_runs`: the Hopper tile set; else the Ampere one), or
+    None. With EXACT_ALPHA from `EXACT_ALPHA_MIN_KEYS` keys in the longest sequence, as the dense launchers
+    (the fused rescale's lse drift passes 1e-3 near 1M keys; NVRTC: same spills as without it; not run on a
+    GPU yet, the H200 check's sequences are shorter)."""
+    family = family_for(p.capability)
+    if family is None:
         return None
-    tile = head_dim_tile(round8(p.head_dim), round8(p.head_dim_v), AMPERE, "fwd")
+    hopper = hopper_runs(p)
+    tile = head_dim_tile(round8(p.head_dim), round8(p.head_dim_v), family if hopper else AMPERE, "fwd")
     if tile is None:
         return None
-    v = varlen_forward_variant(p.dtype == torch.bfloat16, tile, score_mod(p), max_shared(p.capability))
+    build = hopper_varlen_variant if hopper else varlen_forward_variant
+    v = build(p.dtype == torch.bfloat16, tile, score_mod(p), max_shared(p.capability))
     return v._replace(exact_alpha=True) if v is not None and forward_rounds_rescale(p.seqlen_k) else v
 
 
 def varlen_reasons(p) -> list[str]:
     """Why the kernel cannot run `p` (an empty list: it can): `CudaBackend.extra_reasons` for packed problems.
 
-    Its limits are a head-dim tile of the Ampere forward (`varlen_forward_variant`; every tile up to 256 fits
-    on every covered GPU) and one launch's grid, B x Hq x ceil(max_seqlen_q / block_m) <= MAX_GRID. The
-    Hopper forward's needs (TMA tensor maps, cuda-bindings) do not apply: this is the Ampere kernel on every
-    family. Formats, gradients, masks and dtypes are the backend's declarations too; they are repeated here
+    Its limits are a head-dim tile (`varlen_variant_for`; every tile up to 256 fits on every covered GPU) and
+    one launch's grid, B x Hq x ceil(max_seqlen_q / block_m) <= MAX_GRID. Without cuda-bindings sm_90 runs
+    the Ampere kernel, so no reason comes from TMA. Formats, gradients, masks and dtypes are the backend's declarations too; they are repeated here
     for callers that ask this function alone (`prepare`, which the benchmarks call directly)."""
     reasons = []
     if (p.q_format, p.kv_format) != ("varlen", "varlen"):
@@ -150,21 +163,19 @@ def prepare(p, x: Inputs, *, variant: Optional[Variant] = None) -> VarlenLaunch:
 
 
 def hopper_maps(plan: VarlenLaunch) -> tuple:
-    """The Hopper varlen forward's TMA maps (`variants.hopper_varlen_variant`, opt-in): q, k, v and out as
+    """The Hopper varlen forward's TMA maps (`variants.hopper_varlen_variant`): q, k, v and out as
     (1, H, total, D) views of the packed tensors (the kernel stores out row by row; its map is passed for
     the dense kernel's signature). TMA needs 16-byte aligned rows and heads: `kernel_operand` copies what is
     not, and a head dim below 8 is padded, as for the dense Hopper launcher."""
-    from .tensor_maps import operand_ok, tensor_map
-
     q, k, v, out_k = plan.keep[:4]
     views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, out_k)]
-    bad = [name for name, t in zip("qkvo", views) if not operand_ok(t)]
+    bad = [name for name, t in zip("qkvo", views) if not tensor_maps.operand_ok(t)]
     if bad:
         raise InvalidArgumentError(f"the Hopper varlen forward cannot read {', '.join(bad)} through TMA "
                                    "(a stride or the base not 16-byte aligned)")
     rows = plan.variant.block_m
-    return (tensor_map(views[0], rows), tensor_map(views[1], plan.variant.block_n),
-            tensor_map(views[2], plan.variant.block_n), tensor_map(views[3], rows // 2))
+    return (tensor_maps.tensor_map(views[0], rows), tensor_maps.tensor_map(views[1], plan.variant.block_n),
+            tensor_maps.tensor_map(views[2], plan.variant.block_n), tensor_maps.tensor_map(views[3], rows // 2))
 
 
 def forward(p, x: Inputs, *, variant: Optional[Variant] = None, poison: bool = False):

@@ -21,6 +21,15 @@ _cache: dict = {}
 _lock = threading.Lock()
 
 
+def tensor_maps_available() -> bool:
+    """Whether cuda-bindings' driver module, which encodes the maps, imports."""
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _map_dtype(dtype: torch.dtype):
     from cuda.bindings import driver
 

@@ -59,8 +59,8 @@ class Variant(NamedTuple):
     l2_prefetch: int = 0  # decode: cp.async's L2 prefetch hint in bytes (0, 128, 256; L2_PREFETCH, sm80/ptx.cuh)
     kv_swizzle: bool = False  # decode: K/V ring rows unpadded and XOR-swizzled (KV_SWIZZLE, sm80/fa_decode.cu)
     varlen: bool = False  # fwd: packed q and k/v through cu_seqlens (VARLEN, common/varlen.cuh; a VarlenParams
-                          # kernel argument): the Ampere forward (`varlen_forward_variant`, launch_varlen: both
-                          # families' varlen forward) and the opt-in Hopper one (`hopper_varlen_variant`)
+                          # kernel argument): the Ampere forward (`varlen_forward_variant`) and the Hopper one
+                          # (`hopper_varlen_variant`, sm_90 with cuda-bindings); launch_varlen picks
 
     @property
     def threads(self) -> int:
@@ -111,7 +111,7 @@ class Variant(NamedTuple):
         if self.hopper_forward:
             d.update(OVERLAP=int(self.overlap), PINGPONG=int(self.pingpong))
             del d["BLOCK_M"], d["NUM_WARPS"]  # fixed by the kernel's warpgroup roles
-            if self.varlen:  # (opt-in: the default builds' defines stay as they were)
+            if self.varlen:  # (only packed builds define it: the dense builds' defines stay as they were)
                 d["VARLEN"] = 1
         return tuple(f"-D{k}={v}" for k, v in d.items())
 
@@ -214,8 +214,11 @@ DECODE_TILES = {
 DECODE_HEAD_DIM_TILES = tuple(DECODE_TILES)
 DECODE_L2_PREFETCH = 128  # the decode kernel's cp.async L2 prefetch hint (bytes; sm80/ptx.cuh L2_PREFETCH): the
 # H200 sweep of 2026-12-02 (run 6): +1-3 % over none on a cache, 256 slower on paged caches
-DECODE_KV_SWIZZLE = False  # the decode kernel's K/V ring rows: padded (False) or swizzled (KV_SWIZZLE, opt-in:
-# written 2026-12-02 after ncu showed the padded rows' copies reading 1.5x the ideal L2 sectors; not yet timed)
+# The decode kernel's K/V ring rows per key format: swizzled (KV_SWIZZLE, sm80/fa_decode.cu) or padded. ncu on
+# the H200 showed the padded rows' copies reading 1.5x the ideal L2 sectors; swizzled, a contiguous cache read
+# 1.01-1.05x faster (0.94-0.98x cuDNN) and paged-16 pools 0.96-1.02x (slower from B = 8: kept padded), sweep of
+# 2026-12-02 (benchmarks/results/h200-2026-12-02-run7/decode-swizzle-sweep.log). Ampere-class GPUs unmeasured.
+DECODE_KV_SWIZZLE = {"dense": True, "cache": True, "paged": False}
 COMBINE_WARPS = 4  # decode_combine: one block of 4 warps per row (fa_decode.cu COMBINE_WARPS)
 # head-dim tiles of each family's kernels ("bwd", the Ampere backward, runs on sm_90 for head dims
 # above 128 and in the deterministic mode, which uses its tiles for dK/dV and for the dQ pass)
@@ -290,8 +293,8 @@ def forward_variant(family: Family, bf16: bool, tile: int, score_mod: bool, max_
 
 def varlen_forward_variant(bf16: bool, tile: int, score_mod: bool, max_shared: int) -> Variant | None:
     """The Ampere forward built for packed q and k/v (VARLEN=1): the tile `forward_variant` picks for the
-    Ampere family on a GPU of `max_shared`. Both families run it (sm_90 builds it for sm_90a: the Hopper
-    forward's TMA tiles have no varlen path). launch_varlen requests it (with EXACT_ALPHA from 64k keys);
+    Ampere family on a GPU of `max_shared`. Both families can run it: launch_varlen requests it (with
+    EXACT_ALPHA from 64k keys) on Ampere-class GPUs and on sm_90 without cuda-bindings (no TMA maps);
     `requestable` lists it under the Ampere family, so CI builds it for sm_80."""
     v = forward_variant(FAMILIES["sm80"], bf16, tile, score_mod, max_shared)
     return v._replace(varlen=True) if v is not None else None
@@ -299,9 +302,8 @@ def varlen_forward_variant(bf16: bool, tile: int, score_mod: bool, max_shared: i
 
 def hopper_varlen_variant(bf16: bool, tile: int, score_mod: bool, max_shared: int) -> Variant | None:
     """The Hopper forward built for packed q and k/v (VARLEN=1, sm90/fa_fwd.cu): the tile `forward_variant`
-    picks for the Hopper family. Opt-in, not dispatched and not listed by `requestable` (written offline
-    2026-12-02, not yet run on a GPU): `benchmarks.cuda_varlen check --hopper` checks it, `time --hopper`
-    times it beside the Ampere varlen kernel, triton's and the dense Hopper forward."""
+    picks for the Hopper family. `launch_varlen.varlen_variant_for` runs it on sm_90 (checked and timed on
+    the H200 2026-12-02: `benchmarks.cuda_varlen check/time`)."""
     v = forward_variant(FAMILIES["sm90"], bf16, tile, score_mod, max_shared)
     return v._replace(varlen=True) if v is not None else None
 
@@ -352,13 +354,15 @@ def hopper_backward_variant(family: Family, bf16: bool, tile: int, score_mod: bo
     return v if v.shared_bytes() <= max_shared else None
 
 
-def decode_variant(family: Family, bf16: bool, tile: int, score_mod: bool, max_shared: int) -> Variant | None:
-    """The split-KV decode kernel for a head-dim tile: the first of `DECODE_TILES` that fits, or None."""
+def decode_variant(family: Family, bf16: bool, tile: int, score_mod: bool, max_shared: int,
+                   kv_format: str = "paged") -> Variant | None:
+    """The split-KV decode kernel for a head-dim tile and key format (its ring layout, `DECODE_KV_SWIZZLE`):
+    the first of `DECODE_TILES` that fits, or None."""
     if "decode" not in family.sources:
         return None
     for t in DECODE_TILES.get(tile, ()):
         v = Variant(family.name, "decode", bf16, tile, t.block_m, t.block_n, t.warps, score_mod, stages=t.stages,
-                    exact_alpha=True, l2_prefetch=DECODE_L2_PREFETCH, kv_swizzle=DECODE_KV_SWIZZLE)
+                    exact_alpha=True, l2_prefetch=DECODE_L2_PREFETCH, kv_swizzle=DECODE_KV_SWIZZLE[kv_format])
         if v.shared_bytes() <= max_shared:
             return v
     return None
@@ -388,7 +392,7 @@ def decode_sweep_variants(tile: int, *, family: str = "sm90", bf16: bool = True,
         for w in DECODE_SWEEP_WARPS:
             for st in DECODE_SWEEP_STAGES:
                 v = Variant(fam.name, "decode", bf16, tile, 16, bn, w, score_mod, stages=st,
-                            l2_prefetch=DECODE_L2_PREFETCH, kv_swizzle=DECODE_KV_SWIZZLE)
+                            l2_prefetch=DECODE_L2_PREFETCH)
                 if v.shared_bytes() <= shared and v not in found:
                     found.append(v)
     return [v._replace(exact_alpha=exact_alpha) for v in found]
@@ -423,6 +427,9 @@ def requestable(family: Family, capability) -> list[Variant]:
                 if family.name == "sm80":  # packed sequences (launch_varlen): the Ampere kernel, on both families
                     packed = varlen_forward_variant(bf16, tile, mod, shared)
                     found += [packed, packed._replace(exact_alpha=True)] if packed else []
+                if family.tensor_maps:  # and the Hopper one where cuda-bindings encodes its TMA maps
+                    packed = hopper_varlen_variant(bf16, tile, mod, shared)
+                    found += [packed, packed._replace(exact_alpha=True)] if packed else []
             for tile in TILE_SETS[(family.name, "bwd")]:
                 found += list(backward_variants(family, bf16, tile, mod, shared) or ())
                 found += list(deterministic_backward_variants(family, bf16, tile, mod, shared) or ())
@@ -430,8 +437,9 @@ def requestable(family: Family, capability) -> list[Variant]:
                 bwd = hopper_backward_variant(family, bf16, tile, mod, shared)
                 found += [bwd, bwd._replace(dq_ordered=True)] if bwd else []  # the second: deterministic
             for tile in TILE_SETS.get((family.name, "decode"), ()):
-                dec = decode_variant(family, bf16, tile, mod, shared)
-                found += [dec] if dec else []
+                for kv_format in ("cache", "paged"):  # (dense keys share the cache's ring layout)
+                    dec = decode_variant(family, bf16, tile, mod, shared, kv_format)
+                    found += [dec] if dec and dec not in found else []
         combine = decode_combine_variant(family, bf16)
         found += [combine] if combine else []
     return found
