@@ -32,7 +32,8 @@ class CudaBackend(Backend):
                    "warp-specialised wgmma + TMA kernels (FlashAttention-3 style): the forward, and the "
                    "backward up to head dim 128 (the Ampere backward above); a split-KV decode kernel for "
                    "cache and paged keys (forward, up to 16 queries per sequence); packed (varlen) q and k/v "
-                   "through the Ampere forward on every family (forward only, ranked below triton)")
+                   "(forward only) through the Hopper forward on sm_90 with cuda-bindings (ranked above triton), "
+                   "else the Ampere forward (ranked below triton)")
     device_types = frozenset({"cuda"})
     vendors = frozenset({"nvidia"})
     min_capability = _LOWEST           # the span of the kernel families (families.py)
@@ -67,8 +68,8 @@ class CudaBackend(Backend):
     hopper_training_priority = 92
     # Packed (varlen) forwards (launch_varlen). The Hopper kernel (sm_90 with cuda-bindings) against triton's
     # varlen kernel on the H200 (2026-12-02, bf16, 16k packed tokens, benchmarks/results/h200-2026-12-02-run7/
-    # varlen-hopper-time.log): d128 1.14-1.52x in all 6 settings; d64 1.10-1.26x with one long or 16 equal
-    # causal sequences, 0.97-0.99x with random or equal lengths without causal. So it ranks 93, above triton
+    # call3/logs/varlen-hopper-time.log): d128 1.14-1.52x in all 6 settings; d64 1.09-1.23x in 3, 0.97-0.99x in
+    # 3 (random lengths, and 16 equal sequences without causal). So it ranks 93, above triton
     # (90). The Ampere mma.sync kernel (other GPUs, sm_90 without cuda-bindings) was 0.71-0.86x triton's in 11
     # of 12 settings on the H200 (run2): below triton (85 on sm_90, 65 on other NVIDIA GPUs, where nothing was
     # measured). Still ahead of blocked (20) and naive (10).

@@ -217,7 +217,7 @@ DECODE_L2_PREFETCH = 128  # the decode kernel's cp.async L2 prefetch hint (bytes
 # The decode kernel's K/V ring rows per key format: swizzled (KV_SWIZZLE, sm80/fa_decode.cu) or padded. ncu on
 # the H200 showed the padded rows' copies reading 1.5x the ideal L2 sectors; swizzled, a contiguous cache read
 # 1.01-1.05x faster (0.94-0.98x cuDNN) and paged-16 pools 0.96-1.02x (slower from B = 8: kept padded), sweep of
-# 2026-12-02 (benchmarks/results/h200-2026-12-02-run7/decode-swizzle-sweep.log). Ampere-class GPUs unmeasured.
+# 2026-12-02 (benchmarks/results/h200-2026-12-02-run7/call4/logs/decode-swizzle-sweep.log). Ampere-class GPUs unmeasured.
 DECODE_KV_SWIZZLE = {"dense": True, "cache": True, "paged": False}
 COMBINE_WARPS = 4  # decode_combine: one block of 4 warps per row (fa_decode.cu COMBINE_WARPS)
 # head-dim tiles of each family's kernels ("bwd", the Ampere backward, runs on sm_90 for head dims
