@@ -237,21 +237,12 @@ DEVI void rescale(float (&o)[HD / 2], const float (&alpha)[2]) {
   for (int i = 0; i < HD / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
 }
 
-// Out rows of this warpgroup -> its 64-row slice of the (now free) Q tile, in the swizzled layout
-// the TMA store reads; then one thread stores each 64-column panel. lse straight from registers.
+// Out rows of this warpgroup (o x inv) -> its 64-row slice of the (now free) Q tile, in the swizzled
+// layout the TMA store reads; then one thread stores each 64-column panel at (row, head, batch).
 template <bool BF16, int HD>
-DEVI void write_out(const AttnParams& p, const Tile& t, const TmaMap* to, float (&o)[HD / 2], const Rows& r,
-                    float unit, u32 q_rows, int consumer, int warp_in_group, int lane) {
+DEVI void store_out_tile(const TmaMap* to, const float (&o)[HD / 2], const float (&inv)[2], u32 q_rows, int row0,
+                         int h, int b, int consumer, int warp_in_group, int lane) {
   const int g = lane >> 2, t4 = lane & 3;
-  const float sink = sink_logit(p, t.h);
-  float inv[2];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    float row_lse;
-    softmax_finish(r.max[half] * unit, quad_sum(r.sum[half]), sink, &inv[half], &row_lse);
-    const int row = t.m0 + consumer * 64 + warp_in_group * 16 + g + half * 8;
-    if (t4 == 0 && row < p.seqlen_q) p.lse[((long long)t.b * p.heads_q + t.h) * p.seqlen_q + row] = row_lse;
-  }
 #pragma unroll
   for (int c = 0; c < HD / 8; ++c) {
 #pragma unroll
@@ -269,34 +260,63 @@ DEVI void write_out(const AttnParams& p, const Tile& t, const TmaMap* to, float 
   if (warp_in_group == 0 && lane == 0) {
 #pragma unroll
     for (int pn = 0; pn < HD / 64; ++pn)
-      tma_store_4d(to, q_rows + pn * (BM * 128), pn * 64, t.m0 + consumer * 64, t.h, t.b);
+      tma_store_4d(to, q_rows + pn * (BM * 128), pn * 64, row0, h, b);
     tma_store_commit();
     tma_store_wait_read();
   }
 }
 
-#if VARLEN
-// Out rows of this warpgroup straight from registers to the packed out, and lse (Hq, total_q), up to
-// the sequence's last row: the TMA store would write a whole 64-row box, into the next sequence's rows.
+// The tile's out through `store_out_tile`, lse straight from registers.
 template <bool BF16, int HD>
-DEVI void write_out_rows(const AttnParams& p, const VarlenParams& vp, const Tile& t, int seqlen_q, float (&o)[HD / 2],
-                         const Rows& r, float unit, int consumer, int warp_in_group, int lane) {
+DEVI void write_out(const AttnParams& p, const Tile& t, const TmaMap* to, float (&o)[HD / 2], const Rows& r,
+                    float unit, u32 q_rows, int consumer, int warp_in_group, int lane) {
   const int g = lane >> 2, t4 = lane & 3;
   const float sink = sink_logit(p, t.h);
+  float inv[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    float inv, row_lse;
-    softmax_finish(r.max[half] * unit, quad_sum(r.sum[half]), sink, &inv, &row_lse);
+    float row_lse;
+    softmax_finish(r.max[half] * unit, quad_sum(r.sum[half]), sink, &inv[half], &row_lse);
+    const int row = t.m0 + consumer * 64 + warp_in_group * 16 + g + half * 8;
+    if (t4 == 0 && row < p.seqlen_q) p.lse[((long long)t.b * p.heads_q + t.h) * p.seqlen_q + row] = row_lse;
+  }
+  store_out_tile<BF16, HD>(to, o, inv, q_rows, t.m0 + consumer * 64, t.h, t.b, consumer, warp_in_group, lane);
+}
+
+#if VARLEN
+// Packed out and lse (Hq, total_q) up to the sequence's last row. A warpgroup whose 64 rows all belong
+// to the sequence takes the TMA store (uniform over its 128 threads, as the epilogue barrier needs);
+// the last one stores row by row from registers: a 64-row box would write into the next sequence's rows.
+template <bool BF16, int HD>
+DEVI void write_out_rows(const AttnParams& p, const VarlenParams& vp, const Tile& t, int seqlen_q, const TmaMap* to,
+                         float (&o)[HD / 2], const Rows& r, float unit, u32 q_rows, int consumer, int warp_in_group,
+                         int lane) {
+  const int g = lane >> 2, t4 = lane & 3;
+  const float sink = sink_logit(p, t.h);
+  float inv[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float row_lse;
+    softmax_finish(r.max[half] * unit, quad_sum(r.sum[half]), sink, &inv[half], &row_lse);
+    const int row = t.m0 + consumer * 64 + warp_in_group * 16 + g + half * 8;
+    if (t4 == 0 && row < seqlen_q) p.lse[(long long)t.h * vp.total_q + t.q_start + row] = row_lse;
+  }
+  if (t.m0 + consumer * 64 + 64 <= seqlen_q) {
+    store_out_tile<BF16, HD>(to, o, inv, q_rows, t.q_start + t.m0 + consumer * 64, t.h, 0, consumer, warp_in_group,
+                             lane);
+    return;
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
     const int row = t.m0 + consumer * 64 + warp_in_group * 16 + g + half * 8;
     if (row >= seqlen_q) continue;
-    if (t4 == 0) p.lse[(long long)t.h * vp.total_q + t.q_start + row] = row_lse;
     u16* out_row = (u16*)p.o + (long long)(t.q_start + row) * p.o_rs + (long long)t.h * p.o_hs;
 #pragma unroll
     for (int c = 0; c < HD / 8; ++c) {
       const int col = c * 8 + 2 * t4;
       if (col < p.head_dim_v)
         *reinterpret_cast<u32*>(out_row + col) =
-            pack2<BF16>(o[4 * c + 2 * half] * inv, o[4 * c + 2 * half + 1] * inv);
+            pack2<BF16>(o[4 * c + 2 * half] * inv[half], o[4 * c + 2 * half + 1] * inv[half]);
     }
   }
 }
@@ -460,7 +480,7 @@ DEVI void consume(const AttnParams& p, const Tile& t, const Visibility& vis, u32
   if constexpr (kPingpong)
     if (consumer == 0 && n_blocks > 0) named_sync(TURN_BARRIER + 0, 256);  // the second consumer's last turn
 #if VARLEN
-  write_out_rows<BF16, HD>(p, vp, t, vis.seqlen_q, o, r, unit, consumer, warp_in_group, lane);
+  write_out_rows<BF16, HD>(p, vp, t, vis.seqlen_q, to, o, r, unit, q_rows, consumer, warp_in_group, lane);
 #else
   write_out<BF16, HD>(p, t, to, o, r, unit, q_rows, consumer, warp_in_group, lane);
 #endif
