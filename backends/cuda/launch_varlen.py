@@ -6,9 +6,9 @@ Dispatched: `CudaBackend` declares ("varlen", "varlen") for the forward and send
 (`varlen_reasons` from `extra_reasons`, `forward`); `CudaBackend.rank` places the Hopper kernel above
 triton and the Ampere one below it. Checked on the H200 2026-12-02 (`python -m benchmarks.cuda_varlen
 check`, both kernels: 49/49 against float64, compute-sanitizer memcheck clean on garbage cu_seqlens).
-Speed there (bf16, 16k packed tokens, `time --hopper`): the Hopper kernel 0.83-0.99x the dense Hopper
-forward's TFLOP/s and 0.97-1.52x triton's varlen kernel; the Ampere one 0.71-0.86x triton's (NOTES.md
-"Varlen forward"). Forward only.
+Speed there (bf16, 16k packed tokens, `time --hopper`): the Hopper kernel 0.98-1.03x the dense Hopper
+forward's TFLOP/s (0.88x for 16 x 1k causal sequences at d128) and 0.99-1.74x triton's varlen kernel; the
+Ampere one 0.71-0.86x triton's (NOTES.md "Varlen forward", "Hopper varlen forward"). Forward only.
 
 The kernel takes the usual `AttnParams` (packed tensors: batch strides 0) and a `VarlenParams` record
 (cu_seqlens pointers, the packed lengths, the alignment). The grid is B x Hq x the query blocks of the
