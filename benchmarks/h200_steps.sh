@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full decode-sweep decode-swizzle decode-splits varlen-cuda varlen-hopper reliability splitwait replay recheck nan-fixup
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full decode-sweep decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait replay recheck nan-fixup
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -186,6 +186,13 @@ for step in "$@"; do
                 --tool memcheck --report-api-errors no python3 -m benchmarks.cuda_varlen check --hopper --only garbage
             [ -n "${passed[varlen-hopper-check]:-}" ] && run_step varlen-hopper-time 150 python3 -m benchmarks.cuda_varlen \
                 time --hopper --dims 128,64 ;;
+    # the packed backward (the Ampere backward built with VARLEN=1, 2026-12-02): gradients against float64,
+    # memcheck on the NaN-tail cases, then fwd+bwd beside triton's varlen and the dense path
+    varlen-backward) run_step varlen-backward-check 150 python3 -m benchmarks.cuda_varlen_backward check
+            [ -n "${passed[varlen-backward-check]:-}" ] && run_step varlen-backward-memcheck 90 compute-sanitizer \
+                --tool memcheck --report-api-errors no python3 -m benchmarks.cuda_varlen_backward check --only tail
+            [ -n "${passed[varlen-backward-check]:-}" ] && run_step varlen-backward-time 150 python3 -m \
+                benchmarks.cuda_varlen_backward time --dims 128 ;;
     decode-cuda) run_step decode-cuda-check 150 python3 -m benchmarks.cuda_decode check
             [ -n "${passed[decode-cuda-check]:-}" ] && run_step decode-cuda-time 200 python3 -m benchmarks.cuda_decode time ;;
     *) echo "$step: unknown step" >> "$out/summary.txt" ;;

@@ -164,7 +164,9 @@ def test_prepare_explicit_offset_padding_and_features():
 
 def test_launcher_reasons():
     p, _ = _packed_call()
-    assert any("forward only" in r for r in launch_varlen.varlen_reasons(p._replace(needs_grad=True)))
+    assert not launch_varlen.varlen_reasons(p._replace(needs_grad=True))  # the VARLEN=1 Ampere backward
+    assert any("no deterministic varlen backward" in r
+               for r in launch_varlen.varlen_reasons(p._replace(needs_grad=True, deterministic=True)))
     assert any("packed q and k/v" in r for r in launch_varlen.varlen_reasons(p._replace(kv_format="cache")))
     assert any("float16/bfloat16" in r for r in launch_varlen.varlen_reasons(p._replace(dtype=torch.float32)))
     assert any("tile" in r for r in launch_varlen.varlen_reasons(p._replace(head_dim=512, head_dim_v=512)))
@@ -215,7 +217,8 @@ ACCEPTED = {
 }
 # what it declines, and the words of its reason: (options, words, where the reason comes from)
 DECLINED = {
-    "gradients": (dict(needs_grad=True), "forward only", "declared"),
+    "deterministic gradients": (dict(needs_grad=True, deterministic=True), "no deterministic varlen backward",
+                                "extra"),
     "packed q, cache keys": (dict(kv_format="cache"), "format q=varlen, k/v=cache", "declared"),
     "packed q, paged keys": (dict(kv_format="paged", page_size=16), "format q=varlen, k/v=paged", "declared"),
     "float32": (dict(dtype=torch.float32), "dtype float32", "declared"),
@@ -285,6 +288,40 @@ def test_packed_forwards_rank_by_kernel(arch, available, bindings):
     assert CUDA.rank(dense) > triton.rank(dense)
 
 
+def test_packed_backward_packs_its_launch_on_the_host(monkeypatch):
+    """launch_varlen.backward without a GPU (the launch captured): the VARLEN=1 Ampere backward's passes,
+    packed strides, (Hq, total_q) delta and lse, the grid over the longest sequence's key blocks; dq back
+    as (total_q, Hq, D); zero gradients where nothing was launched."""
+    from attnx.backends.cuda import compile as cuda_compile
+
+    launched = []
+    monkeypatch.setattr(launch, "_device_index", lambda t: 0)
+    monkeypatch.setattr(cuda_compile, "get_kernel", lambda variant, arch, index: variant)
+    monkeypatch.setattr(launch, "_launch", lambda kernel, grid, threads, smem, args, index:
+                        launched.append((kernel, grid, args)))
+    p, x = _packed_call(causal=True, sinks=torch.randn(8))
+    p = p._replace(needs_grad=True)
+    out = torch.randn(x.q.shape[0], 8, 128).to(torch.bfloat16)
+    lse = torch.randn(8, x.q.shape[0])
+    g = launch_varlen.backward(p, x, out, lse, torch.randn_like(out))
+    (kernel, grid, (args, vp)), = launched
+    assert kernel.kernel == "bwd" and kernel.varlen and "-DVARLEN=1" in kernel.defines()
+    assert grid == 4 * 2 * -(-300 // kernel.block_n)  # B x Hkv x key blocks of the longest sequence
+    assert (args["q_bs"], args["q_rs"], args["k_rs"], args["o_rs"], args["dk_rs"]) == (0, 8 * 128, 2 * 128, 8 * 128,
+                                                                                      2 * 128)
+    assert args["dq_row"] == 128 and (vp["total_q"], vp["total_k"], vp["align_br"]) == (434, 437, 1)
+    assert tuple(g.dq.shape) == (434, 8, 128) and tuple(g.dk.shape) == (437, 2, 128) and g.dsinks.shape == (8,)
+    assert not g.dq.any() and not g.dk.any()  # (nothing ran)
+
+
+def test_backward_routes_packed_calls_to_the_varlen_launcher():
+    p, x = _packed_call(causal=True)
+    p = p._replace(needs_grad=True)
+    with mock.patch.object(launch_varlen, "backward", return_value="varlen") as varlen:
+        assert CUDA.backward(p, x, None, None, None) == "varlen"
+        varlen.assert_called_once_with(p, x, None, None, None)
+
+
 @pytest.mark.parametrize("arch", ("sm_90", "sm_80"))
 @pytest.mark.parametrize("name", list(DECLINED))
 def test_packed_problems_it_declines(arch, name):
@@ -306,13 +343,13 @@ def test_head_dim_without_a_tile_is_declined(arch):
 
 @pytest.mark.parametrize("arch", ("sm_90", "sm_80"))
 def test_conformance_grid_has_packed_forwards_it_runs(arch):
-    """The grid generated from the declarations now holds packed cases: forward only, every one accepted
-    (no extra declines), none with packed q against cache or paged keys."""
+    """The grid generated from the declarations holds packed cases, with gradients, every one accepted (no
+    extra declines), none with packed q against cache or paged keys."""
     found = [c for c in generate_cases(CUDA, "full") if c.q_format == "varlen"]
-    assert len(found) >= 6
+    assert len(found) >= 6 and sum(c.grad for c in found) >= 6
     for case in found:
         p = case.problem()._replace(device_type="cuda", vendor="nvidia", arch=arch)
-        assert case.kv_format == "varlen" and not case.grad, case.id
+        assert case.kv_format == "varlen", case.id
         assert not CUDA.declared_reasons(p) and not CUDA.extra_reasons(p), case.id
 
 

@@ -18,7 +18,7 @@ _LOWEST, _HIGHEST = capability_range()
 def _hopper_backward(p) -> bool:
     """Whether the Hopper backward (kernels/sm90/fa_bwd.cu) runs `p`'s gradients: sm_90, head dims up to
     128; deterministic problems take its ordered-dQ variant (`backward` below)."""
-    if p.capability is None:
+    if p.capability is None or p.q_format != "dense":
         return False
     from .launch_sm90_bwd import backward_variant_for
 
@@ -32,8 +32,8 @@ class CudaBackend(Backend):
                    "warp-specialised wgmma + TMA kernels (FlashAttention-3 style): the forward, and the "
                    "backward up to head dim 128 (the Ampere backward above); a split-KV decode kernel for "
                    "cache and paged keys (forward, up to 16 queries per sequence); packed (varlen) q and k/v "
-                   "(forward only) through the Hopper forward on sm_90 with cuda-bindings (ranked above triton), "
-                   "else the Ampere forward (ranked below triton)")
+                   "through the Hopper forward on sm_90 with cuda-bindings (ranked above triton), else the "
+                   "Ampere forward, and gradients through the Ampere backward (both ranked below triton)")
     device_types = frozenset({"cuda"})
     vendors = frozenset({"nvidia"})
     min_capability = _LOWEST           # the span of the kernel families (families.py)
@@ -42,10 +42,10 @@ class CudaBackend(Backend):
     max_head_dim = HEAD_DIM_TILES[-1]
     mask_kinds = frozenset()          # dense masks are not implemented in the kernels
     # cache and paged keys: the split-KV decode kernel (launch_decode.py), forward only, <= 16 queries;
-    # packed q and k/v: the Ampere forward built with VARLEN=1 (launch_varlen.py), forward only, on both
-    # families. Packed q against cache or paged keys has no kernel here (undeclared).
+    # packed q and k/v (launch_varlen.py): the Hopper or Ampere forward built with VARLEN=1, and the Ampere
+    # backward built with VARLEN=1 on both families. Packed q against cache or paged keys has no kernel here.
     formats = frozenset({("dense", "dense"), ("dense", "cache"), ("dense", "paged"), ("varlen", "varlen")})
-    backward_formats = frozenset({("dense", "dense")})
+    backward_formats = frozenset({("dense", "dense"), ("varlen", "varlen")})
     supports_mask_grad = False
     # The default backwards add dQ with fp32 atomics. Deterministic problems the Hopper backward covers run
     # its ordered-dQ variant (fixed order of key blocks per query block): 148/148 cases bitwise-identical
@@ -122,13 +122,13 @@ class CudaBackend(Backend):
         return reasons
 
     def rank(self, p) -> int:
-        """Packed q: 93 where the Hopper varlen kernel runs (above triton), else `varlen_priority` (below
-        triton). Otherwise on sm_90: 96 without gradients, 92 with gradients the Hopper backward runs; else
+        """Packed q: 93 for forwards the Hopper varlen kernel runs (above triton), else `varlen_priority`
+        (below triton; gradients run the Ampere backward). Otherwise on sm_90: 96 without gradients, 92 with gradients the Hopper backward runs; else
         `priority`."""
         if p.q_format == "varlen":
             from .launch_varlen import hopper_runs
 
-            if hopper_runs(p):
+            if hopper_runs(p) and not p.needs_grad:  # (gradients: the Ampere backward, below triton)
                 return self.hopper_varlen_priority
             for device_class in p.device_classes:
                 if device_class in self.varlen_priority:
@@ -175,6 +175,10 @@ class CudaBackend(Backend):
         return forward(p, x)
 
     def backward(self, p, x, out, lse, dout):
+        if p.q_format == "varlen":
+            from .launch_varlen import backward as varlen_backward
+
+            return varlen_backward(p, x, out, lse, dout)
         if _hopper_backward(p):
             from .launch_sm90_bwd import backward as hopper_backward
             from .launch_sm90_bwd import backward_variant_for

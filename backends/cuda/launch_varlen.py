@@ -8,7 +8,11 @@ triton and the Ampere one below it. Checked on the H200 2026-12-02 (`python -m b
 check`, both kernels: 49/49 against float64, compute-sanitizer memcheck clean on garbage cu_seqlens).
 Speed there (bf16, 16k packed tokens, `time --hopper`): the Hopper kernel 0.98-1.03x the dense Hopper
 forward's TFLOP/s (0.88x for 16 x 1k causal sequences at d128) and 0.99-1.74x triton's varlen kernel; the
-Ampere one 0.71-0.86x triton's (NOTES.md "Varlen forward", "Hopper varlen forward"). Forward only.
+Ampere one 0.71-0.86x triton's (NOTES.md "Varlen forward", "Hopper varlen forward").
+
+Gradients (`backward`): the Ampere backward built for packed sequences (kernels/sm80/fa_bwd.cu, VARLEN=1), on
+both families; delta, lse and the fp32 dQ accumulator are (Hq, total_q[, D]); not deterministic (dQ
+through atomics), so deterministic problems decline.
 
 The kernel takes the usual `AttnParams` (packed tensors: batch strides 0) and a `VarlenParams` record
 (cu_seqlens pointers, the packed lengths, the alignment). The grid is B x Hq x the query blocks of the
@@ -28,8 +32,8 @@ import torch
 
 from attnx.autograd import alloc_out
 from attnx.errors import InvalidArgumentError
-from attnx.inputs import Inputs
-from attnx.limits import MAX_SEQLEN
+from attnx.inputs import Grads, Inputs, sinks_grad
+from attnx.limits import MAX_SEQLEN, lse_log2
 
 from .families import AMPERE, family_for, nvrtc_arch
 from . import launch
@@ -37,7 +41,7 @@ from .launch import _check_grid, _common, _strides_ok, _vector, kernel_operand, 
 from .params import pack_params
 from . import tensor_maps
 from .variants import (Variant, forward_rounds_rescale, head_dim_tile, hopper_varlen_variant, max_shared,
-                       varlen_forward_variant)
+                       varlen_backward_variants, varlen_forward_variant)
 
 # common/varlen.cuh VarlenParams: 8-byte fields, then 4-byte fields, in the C order
 VARLEN_PARAMS_DTYPE = np.dtype([("cu_seqlens_q", np.uint64), ("cu_seqlens_k", np.uint64), ("total_q", np.int32),
@@ -86,8 +90,10 @@ def varlen_reasons(p) -> list[str]:
     reasons = []
     if (p.q_format, p.kv_format) != ("varlen", "varlen"):
         reasons.append(f"the varlen kernel takes packed q and k/v, got q {p.q_format}, kv {p.kv_format}")
-    if p.needs_grad:
-        reasons.append("the varlen kernel is forward only (no varlen backward in the cuda backend)")
+    if p.needs_grad and p.deterministic:
+        reasons.append("the varlen backward adds dQ with atomics: no deterministic varlen backward")
+    elif p.needs_grad and varlen_backward_for(p) is None:
+        reasons.append(f"no varlen backward tile for head dims {p.head_dim}/{p.head_dim_v} on {p.arch}")
     if p.mask_kind is not None:
         reasons.append("the varlen kernel takes no mask tensor")
     if p.dtype not in (torch.float16, torch.bfloat16):
@@ -98,6 +104,16 @@ def varlen_reasons(p) -> list[str]:
     elif p.batch * p.heads_q * math.ceil(p.seqlen_q / variant.block_m) > launch.MAX_GRID:
         reasons.append("too many query blocks for one launch (sequences x heads x blocks of the longest)")
     return reasons
+
+
+@functools.lru_cache(maxsize=1024)
+def varlen_backward_for(p) -> Optional[tuple]:
+    """The passes of the VARLEN=1 Ampere backward for `p` on its GPU (`variants.varlen_backward_variants`), or None."""
+    family = family_for(p.capability)
+    if family is None:
+        return None
+    tile = head_dim_tile(round8(p.head_dim), round8(p.head_dim_v), family, "bwd")
+    return varlen_backward_variants(family, p.dtype == torch.bfloat16, tile, score_mod(p), max_shared(p.capability))
 
 
 def runs_varlen(p) -> bool:
@@ -197,3 +213,52 @@ def forward(p, x: Inputs, *, variant: Optional[Variant] = None, poison: bool = F
     if plan.out_k is not plan.out:
         plan.out.copy_(plan.out_k[..., : p.head_dim_v])
     return plan.out, plan.lse
+
+
+def backward(p, x: Inputs, out, lse, dout) -> Grads:
+    """Gradients of one varlen call (`out`, `dout` (total_q, Hq, Dv), `lse` (Hq, total_q)): the Ampere backward
+    built for packed sequences, dQ through fp32 atomics into (Hq, total_q, D); dsinks from lse and delta.
+    Rows of k/v no sequence covers get zero gradients."""
+    from .compile import get_kernel
+    from .launch import _device_index, _launch
+
+    reasons = varlen_reasons(p)
+    if reasons:
+        raise InvalidArgumentError("; ".join(reasons))
+    passes = varlen_backward_for(p)
+    device_index = _device_index(x.q)
+    d, dvw = round8(p.head_dim), round8(p.head_dim_v)
+    total_q, total_k = x.q.shape[0], x.k.shape[0]
+    if max(total_q, total_k) >= MAX_SEQLEN:
+        raise InvalidArgumentError(f"packed lengths {total_q}/{total_k} at or above {MAX_SEQLEN}")
+    q, k, v, dout_k = (kernel_operand(x.q, d), kernel_operand(x.k, d), kernel_operand(x.v, dvw),
+                       kernel_operand(dout, dvw))
+    delta = (dout.float() * out.float()).sum(-1).t().contiguous()  # rowsum(dout * out), (Hq, total_q)
+    lse2 = lse_log2(lse).contiguous()
+    dq_accum = torch.zeros(p.heads_q, total_q, d, device=q.device, dtype=torch.float32)
+    dk = torch.zeros(total_k, p.heads_kv, d, device=q.device, dtype=q.dtype)
+    dv = torch.zeros(total_k, p.heads_kv, dvw, device=q.device, dtype=q.dtype)
+    xk = x.replace(alibi_slopes=_vector(x.alibi_slopes), sinks=None)
+    blocks_per_head = math.ceil(p.seqlen_k / passes[0].block_n)  # of the longest sequence's keys
+    grid = p.batch * p.heads_kv * blocks_per_head
+    _check_grid(grid)
+    (qb, qh, qr), (kb, kh, kr), (vb, vh, vr), (ob, oh, orow), (dkb, dkh, dkr), (dvb, dvh, dvr) = map(
+        _packed_strides, (q, k, v, dout_k, dk, dv))
+    fields = _common(p, xk)
+    fields["key_offset"] = p.offset if p.offset is not None else 0
+    args = pack_params(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout_k.data_ptr(), lse=lse2.data_ptr(),
+                       delta=delta.data_ptr(), dq_accum=dq_accum.data_ptr(), dk=dk.data_ptr(), dv=dv.data_ptr(),
+                       q_bs=qb, q_hs=qh, q_rs=qr, k_bs=kb, k_hs=kh, k_rs=kr, v_bs=vb, v_hs=vh, v_rs=vr,
+                       o_bs=ob, o_hs=oh, o_rs=orow, dk_bs=dkb, dk_hs=dkh, dk_rs=dkr, dv_bs=dvb, dv_hs=dvh, dv_rs=dvr,
+                       num_blocks=blocks_per_head, dq_row=d, **fields)
+    cu_q, cu_k = _index(x.cu_seqlens_q), _index(x.cu_seqlens_k)  # (held until the launches are queued)
+    varlen = pack_varlen_params(cu_seqlens_q=cu_q.data_ptr(), cu_seqlens_k=cu_k.data_ptr(), total_q=total_q,
+                                total_k=total_k, align_br=int(p.offset is None))
+    if grid > 0:
+        arch = nvrtc_arch(p.capability)
+        for variant in passes:
+            kernel = get_kernel(variant, arch, device_index)
+            _launch(kernel, grid, variant.threads, variant.shared_bytes(), (args, varlen), device_index)
+    dq = (dq_accum[..., : p.head_dim] * p.scale).transpose(0, 1).to(p.dtype)
+    dsinks = sinks_grad(x.sinks, lse, delta) if x.sinks is not None else None
+    return Grads(dq, dk[..., : p.head_dim], dv[..., : p.head_dim_v], None, dsinks)

@@ -58,9 +58,10 @@ class Variant(NamedTuple):
                                # always, fwd from EXACT_ALPHA_MIN_KEYS keys; benchmarks/exact_alpha.py)
     l2_prefetch: int = 0  # decode: cp.async's L2 prefetch hint in bytes (0, 128, 256; L2_PREFETCH, sm80/ptx.cuh)
     kv_swizzle: bool = False  # decode: K/V ring rows unpadded and XOR-swizzled (KV_SWIZZLE, sm80/fa_decode.cu)
-    varlen: bool = False  # fwd: packed q and k/v through cu_seqlens (VARLEN, common/varlen.cuh; a VarlenParams
-                          # kernel argument): the Ampere forward (`varlen_forward_variant`) and the Hopper one
-                          # (`hopper_varlen_variant`, sm_90 with cuda-bindings); launch_varlen picks
+    varlen: bool = False  # fwd, bwd: packed q and k/v through cu_seqlens (VARLEN, common/varlen.cuh; a VarlenParams
+                          # kernel argument): the Ampere forward (`varlen_forward_variant`), the Hopper one
+                          # (`hopper_varlen_variant`, sm_90 with cuda-bindings) and the Ampere backward
+                          # (`varlen_backward_variants`, both families); launch_varlen picks
 
     @property
     def threads(self) -> int:
@@ -96,6 +97,8 @@ class Variant(NamedTuple):
             d["SHARED_BYTES"] = self.shared_bytes()  # the kernel asserts its layout needs exactly this
         elif self.kernel == "bwd":
             d.update(DO_DV=int(self.do_dv), DO_DK=int(self.do_dk), DQ_ATOMIC=int(self.atomic_dq))
+            if self.varlen:  # (only packed builds define it: the dense builds' defines stay as they were)
+                d["VARLEN"] = 1
         else:
             d.update(KV_STAGES=self.stages)
         if self.kernel == "fwd":
@@ -322,6 +325,14 @@ def backward_variants(family: Family, bf16: bool, tile: int, score_mod: bool,
     return None
 
 
+def varlen_backward_variants(family: Family, bf16: bool, tile: int, score_mod: bool,
+                             max_shared: int) -> tuple[Variant, ...] | None:
+    """The Ampere backward's passes built for packed q and k/v (VARLEN=1, sm80/fa_bwd.cu; launch_varlen.backward),
+    on both families (sm_90 runs the Ampere backward too), or None."""
+    passes = backward_variants(family, bf16, tile, score_mod, max_shared)
+    return tuple(v._replace(varlen=True) for v in passes) if passes else None
+
+
 def dq_variant(family: Family, bf16: bool, tile: int, score_mod: bool, max_shared: int) -> Variant | None:
     """The deterministic dQ pass for a head-dim tile: the first of `DQ_TILES` that fits, or None."""
     if "bwd_dq" not in family.sources:
@@ -432,6 +443,7 @@ def requestable(family: Family, capability) -> list[Variant]:
                     found += [packed, packed._replace(exact_alpha=True)] if packed else []
             for tile in TILE_SETS[(family.name, "bwd")]:
                 found += list(backward_variants(family, bf16, tile, mod, shared) or ())
+                found += list(varlen_backward_variants(family, bf16, tile, mod, shared) or ())
                 found += list(deterministic_backward_variants(family, bf16, tile, mod, shared) or ())
             for tile in TILE_SETS.get((family.name, "bwd_wgmma"), ()):
                 bwd = hopper_backward_variant(family, bf16, tile, mod, shared)

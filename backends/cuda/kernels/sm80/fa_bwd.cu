@@ -12,13 +12,27 @@
 // DQ_ATOMIC (1: the dK pass adds dQ as above; 0: dK/dV only, for the deterministic
 // backward, whose dQ is the separate pass sm80/fa_bwd_dq.cu).
 // Sinks need nothing here: lse includes them, and their gradient is a torch op.
+// VARLEN (default 0): packed q and k/v (common/varlen.cuh), a VarlenParams second argument: batch entry b
+// of the grid is packed sequence b (batch strides 0; its rows start at its first row), a key block past
+// the sequence's keys exits, and lse, delta and dq_accum are (Hq, total_q[, D]). Everything it adds is
+// under `#if VARLEN`, so VARLEN=0 compiles to the cubin of the build without the knob.
+#ifndef VARLEN
+#define VARLEN 0
+#endif
 #include "common/mask.cuh"
 #include "common/score_mod.cuh"
 #include "sm80/ptx.cuh"
 #include "sm80/tiles.cuh"
+#if VARLEN
+#include "common/varlen.cuh"
+#endif
 
 template <bool BF16, int HD, int BN, int BM, int NW, bool MOD, bool WITH_DV, bool WITH_DK, bool WITH_DQ>
+#if VARLEN
+DEVI void attention_backward(const AttnParams& p, const VarlenParams& vp) {
+#else
 DEVI void attention_backward(const AttnParams& p) {
+#endif
   constexpr int THREADS = NW * 32;
   constexpr int NTQ = BM / 8;  // n-tiles over the queries of one step
   constexpr int DT = HD / 8;
@@ -48,12 +62,24 @@ DEVI void attention_backward(const AttnParams& p) {
   const int nb = blockIdx.x - bhk * nblk;
   const int b = bhk / p.heads_kv, hk = bhk - b * p.heads_kv;
   const int n0 = nb * BN;
+#if VARLEN
+  // packed sequence b: the grid covers the longest; a key block past this one's keys leaves at once
+  const PackedSeq seq = packed_sequence(vp, p.key_offset, b);
+  const Visibility vis{seq.info.seqlen_q, seq.info.seqlen_k, seq.info.offset, p.window_left, p.window_right};
+  if (n0 >= vis.seqlen_k) return;  // (the whole block, before any barrier)
+  const long long q_first = seq.q_start, k_first = seq.k_start;  // rows before the sequence (batch strides 0)
+  // first row of (query head hq, this sequence) in lse, delta (Hq, total_q) and dq_accum (Hq, total_q, D)
+  auto row_base = [&](int hq) { return (long long)hq * vp.total_q + q_first; };
+#else
   const Visibility vis = visibility(p);
+  constexpr long long q_first = 0, k_first = 0;
+  auto row_base = [&](int hq) { return ((long long)b * p.heads_q + hq) * vis.seqlen_q; };
+#endif
   const int Sq = vis.seqlen_q, Sk = vis.seqlen_k;
   const int G = p.group;
 
-  const u16* k = (const u16*)p.k + b * p.k_bs + hk * p.k_hs;
-  const u16* v = (const u16*)p.v + b * p.v_bs + hk * p.v_hs;
+  const u16* k = (const u16*)p.k + b * p.k_bs + hk * p.k_hs + k_first * p.k_rs;
+  const u16* v = (const u16*)p.v + b * p.v_bs + hk * p.v_hs + k_first * p.v_rs;
 
   // query blocks that can see a key of this block
   int q_lo, q_hi;
@@ -69,17 +95,17 @@ DEVI void attention_backward(const AttnParams& p) {
     const int stage = step & 1;
     const int hq = hk * G + step / m_count;
     const int m0 = (m_first + step % m_count) * BM;
-    const u16* q = (const u16*)p.q + b * p.q_bs + hq * p.q_hs;
-    const u16* dout = (const u16*)p.dout + b * p.o_bs + hq * p.o_hs;
+    const u16* q = (const u16*)p.q + b * p.q_bs + hq * p.q_hs + q_first * p.q_rs;
+    const u16* dout = (const u16*)p.dout + b * p.o_bs + hq * p.o_hs + q_first * p.o_rs;
     load_tile<BM, HD, THREADS>(sQbuf + stage * BM * LD, q, p.q_rs, m0, Sq, p.head_dim, tid);
     load_tile<BM, HD, THREADS>(sdObuf + stage * BM * LD, dout, p.o_rs, m0, Sq, p.head_dim_v, tid);
-    const long long row_base = ((long long)b * p.heads_q + hq) * Sq;
+    const long long rows = row_base(hq);
     for (int j = tid; j < 2 * BM; j += THREADS) {
       const int r = j % BM;
       const bool ok = m0 + r < Sq;
       const float* src = j < BM ? p.lse : p.delta;
       float* dst = (j < BM ? sLse : sDelta) + stage * BM + r;
-      cp_async4(smem_u32(dst), ok ? src + row_base + m0 + r : src, ok);
+      cp_async4(smem_u32(dst), ok ? src + rows + m0 + r : src, ok);
     }
   };
 
@@ -244,7 +270,7 @@ DEVI void attention_backward(const AttnParams& p) {
 
       // dQ[m0.., :] += dS K, split in (16 queries x DQC columns) tasks over the warps
       if constexpr (WITH_DQ) {
-        float* dq = p.dq_accum + ((long long)b * p.heads_q + hq) * Sq * p.dq_row;
+        float* dq = p.dq_accum + row_base(hq) * p.dq_row;
         for (int task = warp; task < DQ_TASKS; task += NW) {
           const int mt = task / (HD / DQC);
           const int dc = task - mt * (HD / DQC);
@@ -298,16 +324,23 @@ DEVI void attention_backward(const AttnParams& p) {
     }
   __syncthreads();
   if constexpr (WITH_DK) {
-    u16* dk = (u16*)p.dk + b * p.dk_bs + hk * p.dk_hs;
+    u16* dk = (u16*)p.dk + b * p.dk_bs + hk * p.dk_hs + k_first * p.dk_rs;
     store_tile<BN, HD, THREADS>(dk, p.dk_rs, sK, n0, Sk, p.head_dim, tid);
   }
   if constexpr (WITH_DV) {
-    u16* dv = (u16*)p.dv + b * p.dv_bs + hk * p.dv_hs;
+    u16* dv = (u16*)p.dv + b * p.dv_bs + hk * p.dv_hs + k_first * p.dv_rs;
     store_tile<BN, HD, THREADS>(dv, p.dv_rs, sV, n0, Sk, p.head_dim_v, tid);
   }
 }
 
+#if VARLEN
+extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32) attnx_bwd(const AttnParams p, const VarlenParams vp) {
+  attention_backward<IS_BF16 != 0, HEAD_DIM, BLOCK_N, BLOCK_M, NUM_WARPS, SCORE_MOD != 0, DO_DV != 0,
+                     DO_DK != 0, DQ_ATOMIC != 0>(p, vp);
+}
+#else
 extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32) attnx_bwd(const AttnParams p) {
   attention_backward<IS_BF16 != 0, HEAD_DIM, BLOCK_N, BLOCK_M, NUM_WARPS, SCORE_MOD != 0, DO_DV != 0,
                      DO_DK != 0, DQ_ATOMIC != 0>(p);
 }
+#endif
