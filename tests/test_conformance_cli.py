@@ -1,4 +1,5 @@
 """`python -m attnx.conformance`'s case selection: shards split the grid among processes, --exclude resumes."""
+import attnx
 import pytest
 
 from attnx.conformance.__main__ import main
@@ -31,3 +32,15 @@ def test_exclude_skips_the_listed_ids_and_reads_progress_lines(capsys, tmp_path)
     rest = _listed(capsys, "--exclude", str(done))
     assert rest == everything[2:]
     assert _listed(capsys, "--exclude", str(done), "--shard", "0/2") == rest[0::2]
+
+
+def test_summary_of_a_check_that_raised_after_measuring():
+    """A check that raised between measuring a quantity and bounding it (the failure holds the exception)
+    still prints its line, so the run goes on to the next case."""
+    from attnx.conformance.cases import generate_cases
+    from attnx.conformance.check import Result
+
+    case = generate_cases(attnx.get_backend("naive"), "quick")[0]
+    r = Result(case=case, backend="naive", device="cpu", errors={"out": 1e-4, "dq": 2.0}, bounds={"out": 1e-3})
+    r.fail("raised RuntimeError: boom")
+    assert r.summary() == "fail: out 0.0001<=0.001, dq 2<=? | raised RuntimeError: boom"

@@ -53,7 +53,8 @@ class Result:
     def summary(self) -> str:
         if self.status == "declined":
             return "declined: " + "; ".join(self.reasons)
-        parts = [f"{n} {self.errors[n]:.3g}<={self.bounds[n]:.3g}"
+        # (a quantity whose bound was never set: the check raised after measuring it; the failure says why)
+        parts = [f"{n} {self.errors[n]:.3g}<=" + (f"{self.bounds[n]:.3g}" if n in self.bounds else "?")
                  + (f" ({self.bound_rules[n]})" if n in self.bound_rules else "") for n in self.errors]
         text = ", ".join(parts)
         return f"{self.status}: {text}" + ("" if not self.failures else " | " + " | ".join(self.failures))

@@ -147,7 +147,12 @@ DEVI void attention_backward(const AttnParams& p) {
     const u32 sQ_a = smem_u32(sQ), sdO_a = smem_u32(sdObuf + stage * BM * LD);
     const float* lse2 = sLse + stage * BM;
     const float* delta = sDelta + stage * BM;
+#if VARLEN
+    ScoreMod mod = score_mod(p, b, hq);  // read only by the MOD specialisation; ALiBi slopes are (B, Hq)
+    mod.offset = vis.offset;             // ALiBi distances from this sequence's alignment
+#else
     const ScoreMod mod = score_mod(p, b, hq);  // read only by the MOD specialisation
+#endif
 
     // S^T = K Q^T for this warp's 16 keys
     float s[NTQ][4];
