@@ -344,10 +344,34 @@ def _pairs(lens: list, causal: bool) -> int:
     return sum(n * (n + 1) // 2 if causal else n * n for n in lens)
 
 
+def sdpa_padded(q, k, v, lens, causal: bool):
+    """What a model without varlen support runs: the sequences padded to the longest into one batch, and
+    torch's SDPA with a boolean mask (padding keys off; causal per sequence), K/V heads repeated for GQA
+    outside the timing. A callable timing one call."""
+    import torch.nn.functional as F
+
+    b, s, hq, hkv = len(lens), max(lens), q.shape[1], k.shape[1]
+    starts = [0] + torch.tensor(lens).cumsum(0).tolist()[:-1]
+
+    def pad(t, heads):
+        out = t.new_zeros(b, heads, s, t.shape[-1])
+        for i, (a, n) in enumerate(zip(starts, lens)):
+            out[i, :, :n] = t[a:a + n].transpose(0, 1)
+        return out
+
+    qp, kp, vp = pad(q, hq), pad(k, hkv).repeat_interleave(hq // hkv, 1), pad(v, hkv).repeat_interleave(hq // hkv, 1)
+    pos = torch.arange(s, device=q.device)
+    keep = pos[None, None, :] < torch.tensor(lens, device=q.device)[:, None, None]  # (B, 1, S) keys of each sequence
+    mask = keep & (pos[None, None, :] <= pos[None, :, None]) if causal else keep.expand(b, s, s)
+    mask = mask[:, None]  # (B, 1, S, S); padded query rows see the sequence's keys: no empty rows
+    return lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask)
+
+
 def time_all(total: int, hq: int, hkv: int, dims, seqs: int, hopper: bool = False) -> None:
     """bf16, `seqs` sequences of random lengths summing to `total`, beside equal lengths and one sequence
-    of `total` tokens: TFLOP/s (4 * pairs * D * Hq) of the varlen kernel, triton's varlen, and the cuda
-    backend's dense kernel on the dense equivalent (B x S when lengths are equal)."""
+    of `total` tokens: TFLOP/s (4 * pairs * D * Hq, the pairs of the sequences only) of the varlen kernel,
+    triton's varlen, SDPA on the padded batch (`sdpa_padded`), and the cuda backend's dense kernel on the
+    dense equivalent (B x S when lengths are equal)."""
     import attnx
     from attnx.autograd import backend_view
     from attnx.backends.cuda import launch_varlen
@@ -382,6 +406,7 @@ def time_all(total: int, hq: int, hkv: int, dims, seqs: int, hopper: bool = Fals
                 if hopper:
                     row("cuda hopper varlen", lambda: launch_varlen.forward(p, xv, variant=hopper_variant(p)))
                 row("triton varlen", lambda: attnx.attention(q, k, v, backend="triton", **kw))
+                row("sdpa padded batch", sdpa_padded(q, k, v, lens, causal))
                 if shape != "random":  # the dense equivalent: B sequences of one length
                     b, s = len(lens), lens[0]
                     qd, kd, vd = (t.view(b, s, t.shape[1], d) for t in (q, k, v))
