@@ -1,7 +1,7 @@
 """Where a graph-replayed decode step's time goes on the GPU: each kernel's device time against the
 replay's wall time (the rest is launch gaps between the kernels of the graph and the tail of each).
 
-    python -m benchmarks.decode_kernel_times [--batches 1,8] [--lengths 32768,131072]
+    python -m benchmarks.decode_kernel_times [--batches 1,8] [--lengths 32768,131072] [--formats cache,paged16]
 
 Llama-3-8B decode (32 query heads, 8 KV heads, d128, bf16, one new token): cuDNN on the dense cache,
 the cuda backend's split-KV decode kernel on a contiguous cache and a page-16 cache. Needs a CUDA GPU.
@@ -49,6 +49,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--lengths", default="32768,131072")
+    parser.add_argument("--formats", default="cache,paged16", help="the cuda kernel's key formats (cache, paged16)")
+    parser.add_argument("--no-cudnn", action="store_true", help="skip cuDNN's kernel (profiling ours alone)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -69,8 +71,8 @@ def main(argv=None) -> int:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
-        runs = [("cudnn dense", cudnn)]
-        for fmt in ("cache", "paged16"):
+        runs = [] if args.no_cudnn else [("cudnn dense", cudnn)]
+        for fmt in args.formats.split(","):
             kk, vv, kw = k, v, dict(seqlens_k=lens)
             if fmt == "paged16":
                 kk, vv, table = _paged_copy(k, v, 16)

@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full decode-sweep decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait replay recheck nan-fixup
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait replay recheck nan-fixup
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -165,6 +165,15 @@ for step in "$@"; do
                 -o "$0/logs/decode" python3 -m benchmarks.decode_kernel_times --batches 8 --lengths 32768 >/dev/null &&
                 ncu --import "$0/logs/decode.ncu-rep" --page source --csv --print-source sass > "$0/logs/ncu-decode-sass.csv" &&
                 gzip -f "$0/logs/ncu-decode-sass.csv" && rm -f "$0/logs/decode.ncu-rep"' "$out" ;;
+    # paged pools read 6-13 % below a cache (run 7) and lost with the swizzled ring: the paged kernel alone,
+    # ring padded (the launcher's), L2 sectors and a full profile with SASS source counters (page lookups)
+    ncu-decode-paged) run_step ncu-decode-paged 240 bash -c 'for fmt in cache paged16; do ncu --clock-control none \
+                -k "regex:^attnx_decode$" -s 3 -c 1 --metrics lts__t_sectors_srcunit_tex_op_read.sum,lts__t_requests_srcunit_tex_op_read.sum,dram__sectors_read.sum,smsp__inst_executed_op_ldgsts.sum,gpu__time_duration.sum \
+                python3 -m benchmarks.decode_kernel_times --batches 8 --lengths 32768 --formats $fmt --no-cudnn; done &&
+                ncu --clock-control none --set full --import-source yes -k "regex:^attnx_decode$" -s 3 -c 1 -o "$0/logs/paged" \
+                python3 -m benchmarks.decode_kernel_times --batches 8 --lengths 32768 --formats paged16 --no-cudnn >/dev/null &&
+                ncu --import "$0/logs/paged.ncu-rep" --page source --csv --print-source sass > "$0/logs/ncu-paged-sass.csv" &&
+                gzip -f "$0/logs/ncu-paged-sass.csv" && rm -f "$0/logs/paged.ncu-rep"' "$out" ;;
     decode-sweep) run_step decode-sweep 150 python3 -m benchmarks.cuda_decode sweep --exact-alpha ;;
     # the swizzled K/V ring (KV_SWIZZLE, 2026-12-02): every d128 case and the tile cases at d64/d256, then the
     # launcher's tile padded vs swizzled (and s4, which the smaller rows leave room for) side by side
