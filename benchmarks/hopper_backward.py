@@ -10,7 +10,7 @@ goes through shared memory and a writer warp's bulk reductions (check it before 
 blocks (`dq_ordered`, turn counters: bitwise-deterministic dq): its `check` also runs every case
 `RERUNS` more times on the same inputs and asserts the same bits of dq, dk, dv (and dsinks) each time;
 ``--configs splitwait`` the variant that waits for S^T and dP^T one at a time (`split_wait`, P^T computed
-while dP^T's GEMM runs; written offline 2026-12-02, not yet run on a GPU: check it, then time it).
+while dP^T's GEMM runs; written offline 2026-12-02; on the H200 correct and not faster, NOTES.md "SPLIT_WAIT").
 `check` prints one numbered line per case (the worst error of each gradient beside its bound),
 continues past failures, stops only when the CUDA context is lost, ends with a summary of the
 failures and exits 1 on any. The bound is the one of tests/test_cuda_gpu.py: twice the error

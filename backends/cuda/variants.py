@@ -48,9 +48,9 @@ class Variant(NamedTuple):
     pingpong: bool = False  # Hopper fwd: the two consumer warpgroups take turns at the tensor cores
     dq_bulk: bool = False   # Hopper bwd: dQ parts added by a writer warp's bulk reductions, not red.global
     dq_ordered: bool = False  # Hopper bwd: dQ added per query block in a fixed order of key blocks (turn
-                              # counters): bitwise-deterministic dq (opt-in, not dispatched)
+                              # counters): bitwise-deterministic dq (dispatched for deterministic problems)
     split_wait: bool = False  # Hopper bwd, no score mod: S^T and dP^T waited for one at a time, P^T computed
-                              # while dP^T's GEMM runs (opt-in, not dispatched: not yet run on a GPU)
+                              # while dP^T's GEMM runs (opt-in, not dispatched: correct, not faster, NOTES.md)
     atomic_dq: bool = True  # bwd: the dK pass adds dQ with fp32 atomics (False: the deterministic backward's
                             # dK/dV kernel, whose dQ is the bwd_dq pass)
     exact_alpha: bool = False  # fwd (both families) and decode: the online softmax's rescale factor from the rounded
