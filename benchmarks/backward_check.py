@@ -113,6 +113,19 @@ def check_one(case, device, gen, grads_of, extra=None) -> tuple[bool, str]:
     slopes, sinks = opts.get("alibi_slopes"), opts.get("sinks")
     ref = formula_grads(p, xv.q, xv.k, xv.v, sinks, slopes, dout_v, torch.float64)
     lows = [formula_grads(p, xv.q, xv.k, xv.v, sinks, slopes, dout_v, cd) for cd in (xv.q.dtype, torch.float32)]
+    good, text = compare_grads(got, ref, lows)
+    parts = [text]
+    if extra is not None:
+        ok, text = extra(p, xv, dout_v, got)
+        good &= ok
+        parts.append(text)
+    return good, "  ".join(parts)
+
+
+def compare_grads(got, ref, lows, inside=None) -> tuple[bool, str]:
+    """Each of GRAD_NAMES that `ref` has: `got` finite, within the bound (twice the worst error of `lows`, the
+    formula in low dtypes, plus 1e-3) and within MAX_REL_ERR in relative norm; (all good, one text). `inside`:
+    per gradient, a row mask where that rule applies; every row outside it must be exactly 0."""
     good, parts = True, []
     for i, name in enumerate(GRAD_NAMES):
         if ref[i] is None:
@@ -121,17 +134,17 @@ def check_one(case, device, gen, grads_of, extra=None) -> tuple[bool, str]:
             good = False
             parts.append(f"{name} shape {None if got[i] is None else tuple(got[i].shape)} != {tuple(ref[i].shape)}")
             continue
-        finite = bool(torch.isfinite(got[i]).all())
-        bound = 2 * max(max_err(lo[i], ref[i]) for lo in lows) + 1e-3
-        err = max_err(got[i], ref[i]) if finite else float("nan")
-        rel = rel_err(got[i], ref[i]) if finite else float("nan")
-        ok = finite and err <= bound and rel <= MAX_REL_ERR
+        rows = inside[i] if inside is not None else None
+        g, r = (got[i], ref[i]) if rows is None else (got[i][rows], ref[i][rows])
+        finite = bool(torch.isfinite(g).all())
+        bound = 2 * max(max_err(lo[i] if rows is None else lo[i][rows], r) for lo in lows) + 1e-3
+        err = max_err(g, r) if finite else float("nan")
+        rel = rel_err(g, r) if finite else float("nan")
+        zero_outside = rows is None or bool((got[i][~rows] == 0).all())
+        ok = finite and err <= bound and rel <= MAX_REL_ERR and zero_outside
         good &= ok
-        parts.append(f"{name} {err:.1e}/{bound:.1e} rel {rel:.0e}{'' if ok else ' !'}")
-    if extra is not None:
-        ok, text = extra(p, xv, dout_v, got)
-        good &= ok
-        parts.append(text)
+        parts.append(f"{name} {err:.1e}/{bound:.1e} rel {rel:.0e}{'' if zero_outside else ' (rows outside not 0)'}"
+                     f"{'' if ok else ' !'}")
     return good, "  ".join(parts)
 
 

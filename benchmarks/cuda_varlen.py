@@ -416,8 +416,10 @@ def time_all(total: int, hq: int, hkv: int, dims, seqs: int, hopper: bool = Fals
             torch.cuda.empty_cache()
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser_for(description: str, dims: str) -> argparse.ArgumentParser:
+    """The options this script and cuda_varlen_backward share: what, the case filter, the CPU self-test, the
+    packed batch that `time` runs."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("what", choices=("check", "time"))
     parser.add_argument("--only", default=None, help="check: only cases whose name contains this")
     parser.add_argument("--self-test", action="store_true",
@@ -425,7 +427,12 @@ def main(argv=None) -> int:
     parser.add_argument("--total", type=int, default=16384, help="time: tokens of the packed batch")
     parser.add_argument("--seqs", type=int, default=16, help="time: sequences of the packed batch")
     parser.add_argument("--heads", default="16,16", help="time: Hq,Hkv")
-    parser.add_argument("--dims", default="64,128", help="time: head dims")
+    parser.add_argument("--dims", default=dims, help="time: head dims")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = parser_for(__doc__.splitlines()[0], "64,128")
     parser.add_argument("--hopper", action="store_true",
                         help="check/time the opt-in Hopper varlen forward (sm90 fa_fwd.cu VARLEN=1) instead of / beside "
                              "the Ampere one")

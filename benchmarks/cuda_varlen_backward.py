@@ -14,14 +14,13 @@ Needs CuPy and an sm_80..sm_90 GPU (`time` also triton).
 """
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 
 import torch
 
-from .backward_check import GRAD_NAMES, MAX_REL_ERR, bench, formula_grads, max_err, rel_err, run_numbered
-from .cuda_varlen import Built, Case, build, cases, covered
+from .backward_check import bench, compare_grads, formula_grads, run_numbered
+from .cuda_varlen import Built, Case, build, cases, covered, parser_for
 
 
 def formula(p, xv, built: Built, dout, compute_dtype) -> list:
@@ -77,26 +76,7 @@ def check_one(case: Case, device, gen, grads_of) -> tuple[bool, str]:
     k_rows = torch.zeros(xv.k.shape[0], dtype=torch.bool, device=device)
     for _, (k0, k1) in built.spans:
         k_rows[k0:k1] = True
-    good, parts = True, []
-    for i, name in enumerate(GRAD_NAMES):
-        if ref[i] is None:
-            continue
-        if got[i] is None or tuple(got[i].shape) != tuple(ref[i].shape):
-            good = False
-            parts.append(f"{name} shape {None if got[i] is None else tuple(got[i].shape)} != {tuple(ref[i].shape)}")
-            continue
-        inside = q_rows if i == 0 else k_rows if i < 3 else torch.ones(ref[i].shape[0], dtype=torch.bool, device=device)
-        g, r = got[i][inside], ref[i][inside]
-        finite = bool(torch.isfinite(g).all())
-        bound = 2 * max(max_err(lo[i][inside], r) for lo in lows) + 1e-3
-        err = max_err(g, r) if finite else float("nan")
-        rel = rel_err(g, r) if finite else float("nan")
-        zero_outside = bool((got[i][~inside] == 0).all())
-        ok = finite and err <= bound and rel <= MAX_REL_ERR and zero_outside
-        good &= ok
-        parts.append(f"{name} {err:.1e}/{bound:.1e} rel {rel:.0e}{'' if zero_outside else ' (rows outside not 0)'}"
-                     f"{'' if ok else ' !'}")
-    return good, "  ".join(parts)
+    return compare_grads(got, ref, lows, inside=(q_rows, k_rows, k_rows, None))
 
 
 def check(all_cases, grads_of, device, only=None) -> bool:
@@ -157,16 +137,7 @@ def time_all(total: int, hq: int, hkv: int, dims, seqs: int) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("check", "time"))
-    parser.add_argument("--only", default=None, help="check: only cases whose name contains this")
-    parser.add_argument("--self-test", action="store_true",
-                        help="check on the CPU with the float32 formula standing in for the kernel")
-    parser.add_argument("--total", type=int, default=16384, help="time: tokens of the packed batch")
-    parser.add_argument("--seqs", type=int, default=16, help="time: sequences of the packed batch")
-    parser.add_argument("--heads", default="16,16", help="time: Hq,Hkv")
-    parser.add_argument("--dims", default="128,64", help="time: head dims")
-    args = parser.parse_args(argv)
+    args = parser_for(__doc__.splitlines()[0], "128,64").parse_args(argv)
     if args.what == "check":
         grads_of, device = (stand_in_grads, "cpu") if args.self_test else (kernel_grads, "cuda")
         return 0 if check(cases(), grads_of, device, args.only) else 1

@@ -284,7 +284,8 @@ DEVI void write_out(const AttnParams& p, const Tile& t, const TmaMap* to, float 
 }
 
 #if VARLEN
-// Packed out and lse (Hq, total_q) up to the sequence's last row. A warpgroup whose 64 rows all belong
+// Packed out and lse (Hq, total_q) up to the sequence's last row. (Its lse loop repeats `write_out`'s with
+// the packed index: sharing it changed the dense builds' code, checked byte for byte, 2026-12-02.) A warpgroup whose 64 rows all belong
 // to the sequence takes the TMA store (uniform over its 128 threads, as the epilogue barrier needs);
 // the last one stores row by row from registers: a 64-row box would write into the next sequence's rows.
 template <bool BF16, int HD>
