@@ -85,8 +85,9 @@ def varlen_reasons(p) -> list[str]:
 
     Its limits are a head-dim tile (`varlen_variant_for`; every tile up to 256 fits on every covered GPU) and
     one launch's grid, B x Hq x ceil(max_seqlen_q / block_m) <= MAX_GRID. Without cuda-bindings sm_90 runs
-    the Ampere kernel, so no reason comes from TMA. Formats, gradients, masks and dtypes are the backend's declarations too; they are repeated here
-    for callers that ask this function alone (`prepare`, which the benchmarks call directly)."""
+    the Ampere kernel, so no reason comes from TMA. Gradients: a backward tile, not deterministic, no ALiBi
+    yet. Formats, masks and dtypes are the backend's declarations too; they are repeated here for callers
+    that ask this function alone (`prepare`, which the benchmarks call directly)."""
     reasons = []
     if (p.q_format, p.kv_format) != ("varlen", "varlen"):
         reasons.append(f"the varlen kernel takes packed q and k/v, got q {p.q_format}, kv {p.kv_format}")
@@ -184,8 +185,8 @@ def prepare(p, x: Inputs, *, variant: Optional[Variant] = None) -> VarlenLaunch:
 
 def hopper_maps(plan: VarlenLaunch) -> tuple:
     """The Hopper varlen forward's TMA maps (`variants.hopper_varlen_variant`): q, k, v and out as
-    (1, H, total, D) views of the packed tensors (the kernel stores out row by row; its map is passed for
-    the dense kernel's signature). TMA needs 16-byte aligned rows and heads: `kernel_operand` copies what is
+    (1, H, total, D) views of the packed tensors (out's map stores the 64-row groups inside a sequence; the
+    kernel stores a sequence's last rows one by one). TMA needs 16-byte aligned rows and heads: `kernel_operand` copies what is
     not, and a head dim below 8 is padded, as for the dense Hopper launcher."""
     q, k, v, out_k = plan.keep[:4]
     views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, out_k)]
