@@ -87,8 +87,9 @@ DEVI u32 kv_chunk(int r, int cc) {
 }
 
 // Copy key block [n0, n0 + BN) of K and V into one ring stage (rows at `kv_chunk`). Keys >= Sk and
-// columns past the head dims are zero-filled without a read. Paged: lane j holds the pool page and row of key n0 + j in (pg, pr) and, for 64-key blocks,
-// of key n0 + 32 + j in (pg2, pr2), shuffled to the copiers; copy i of a lane covers row
+// columns past the head dims are zero-filled without a read. Paged: lane j holds the pool page and
+// row of key n0 + j in (pg, pr) and, for 64-key blocks, of key n0 + 32 + j in (pg2, pr2), shuffled
+// to the copiers; copy i of a lane covers row
 // r = (lane + 32 i) / CPR, whose register pair r / 32 is i / CPR for every lane (lane < 32): known
 // at compile time.
 template <int HD, int BN>
