@@ -150,10 +150,12 @@ def tile_candidates(head_dim: int = 128, exact_alpha: bool = False, family: str 
 
 
 def pick_tiles(labels: str, head_dim: int = 128, exact_alpha: bool = False) -> list:
-    """Candidates by label ("n32w4s2,n16w8s2+ea"; `exact_alpha`: each one's +ea twin too), or "all" of them
-    (`tile_candidates`)."""
+    """Candidates by label ("n32w4s2,n16w8s2+ea"; `exact_alpha`: each one's +ea twin too), "all" of them
+    (`tile_candidates`), or "all+swz": each of them followed by its twin with the swizzled K/V ring."""
     if labels == "all":
         return tile_candidates(head_dim, exact_alpha)
+    if labels == "all+swz":
+        return [w for v in tile_candidates(head_dim, exact_alpha) for w in (v, v._replace(kv_swizzle=True))]
     every = tile_candidates(head_dim)
     twins = [v._replace(exact_alpha=ea, l2_prefetch=l2, kv_swizzle=swz) for v in every for ea in (False, True)
              for l2 in (0, 128, 256) for swz in (False, True)]

@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait replay recheck nan-fixup
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait replay recheck nan-fixup
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -175,6 +175,8 @@ for step in "$@"; do
                 ncu --import "$0/logs/paged.ncu-rep" --page source --csv --print-source sass > "$0/logs/ncu-paged-sass.csv" &&
                 gzip -f "$0/logs/ncu-paged-sass.csv" && rm -f "$0/logs/paged.ncu-rep"' "$out" ;;
     decode-sweep) run_step decode-sweep 150 python3 -m benchmarks.cuda_decode sweep --exact-alpha ;;
+    # every sweep candidate beside its swizzled-ring twin (run 7 swept only the launcher's tile swizzled)
+    decode-sweep-swz) run_step decode-sweep-swz 300 python3 -m benchmarks.cuda_decode sweep --tile all+swz ;;
     # the swizzled K/V ring (KV_SWIZZLE, 2026-12-02): every d128 case and the tile cases at d64/d256, then the
     # launcher's tile padded vs swizzled (and s4, which the smaller rows leave room for) side by side
     decode-swizzle) run_step decode-swizzle-check 200 bash -c 'python3 -m benchmarks.cuda_decode check --tile n16w4s3+ea+swz --all-cases &&

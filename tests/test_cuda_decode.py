@@ -292,3 +292,12 @@ def test_sweep_candidates_compile_without_spills():
     for label, arch, ok, log in results:
         assert ok, f"{label} {arch}: {log[:2000]}"
         assert " 0 bytes spill stores" in log and " 0 bytes stack frame" in log, f"{label} {arch}: {log}"
+
+
+def test_sweep_swizzled_twins():
+    """`--tile all+swz`: every candidate followed by its twin with the swizzled ring (labelled +swz, less shared memory)."""
+    found = cuda_decode.pick_tiles("all+swz")
+    labels = [cuda_decode.tile_label(v) for v in found]
+    assert labels[::2] == D128_CANDIDATES and labels[1::2] == [f"{x}+swz" for x in D128_CANDIDATES]
+    assert all(s.kv_swizzle and not p.kv_swizzle and s.shared_bytes() < p.shared_bytes()
+               for p, s in zip(found[::2], found[1::2]))
