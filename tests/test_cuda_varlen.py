@@ -167,8 +167,7 @@ def test_launcher_reasons():
     assert not launch_varlen.varlen_reasons(p._replace(needs_grad=True))  # the VARLEN=1 Ampere backward
     assert any("no deterministic varlen backward" in r
                for r in launch_varlen.varlen_reasons(p._replace(needs_grad=True, deterministic=True)))
-    assert any("ALiBi" in r for r in launch_varlen.varlen_reasons(p._replace(needs_grad=True, has_alibi=True)))
-    assert not launch_varlen.varlen_reasons(p._replace(has_alibi=True))  # (the forward's was checked)
+    assert not launch_varlen.varlen_reasons(p._replace(needs_grad=True, has_alibi=True))  # checked 2026-12-03
     assert any("packed q and k/v" in r for r in launch_varlen.varlen_reasons(p._replace(kv_format="cache")))
     assert any("float16/bfloat16" in r for r in launch_varlen.varlen_reasons(p._replace(dtype=torch.float32)))
     assert any("tile" in r for r in launch_varlen.varlen_reasons(p._replace(head_dim=512, head_dim_v=512)))
@@ -353,8 +352,7 @@ def test_conformance_grid_has_packed_forwards_it_runs(arch):
         p = case.problem()._replace(device_type="cuda", vendor="nvidia", arch=arch)
         assert case.kv_format == "varlen", case.id
         assert not CUDA.declared_reasons(p), case.id
-        # ALiBi with gradients waits for its GPU re-check (launch_varlen.varlen_reasons)
-        assert bool(CUDA.extra_reasons(p)) == (p.needs_grad and p.has_alibi), case.id
+        assert not CUDA.extra_reasons(p), case.id
 
 
 def test_forward_routes_packed_calls_to_the_varlen_launcher():

@@ -95,10 +95,6 @@ def varlen_reasons(p) -> list[str]:
         reasons.append("the varlen backward adds dQ with atomics: no deterministic varlen backward")
     elif p.needs_grad and varlen_backward_for(p) is None:
         reasons.append(f"no varlen backward tile for head dims {p.head_dim}/{p.head_dim_v} on {p.arch}")
-    elif p.needs_grad and p.has_alibi:
-        # the H200 check of 2026-12-02 failed every ALiBi case (distances from the dense alignment); fixed
-        # as in the forward (per-sequence offset), but the device time ran out before the re-check
-        reasons.append("the varlen backward's ALiBi fix has not been checked on a GPU yet")
     if p.mask_kind is not None:
         reasons.append("the varlen kernel takes no mask tensor")
     if p.dtype not in (torch.float16, torch.bfloat16):
