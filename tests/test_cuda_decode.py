@@ -196,28 +196,43 @@ def test_decode_compiles_without_spills_for_sm_90a():
 
 
 # -- the tile sweep (variants.decode_sweep_variants; benchmarks.cuda_decode sweep / check --tiles) -------------
-D128_CANDIDATES = ["n16w4s3", "n16w4s2", "n16w4s4", "n16w8s2", "n16w8s3", "n32w4s2", "n32w4s3"]
+D128_CANDIDATES = ["n16w4s2", "n16w4s3", "n16w4s4", "n16w8s2", "n16w8s3", "n32w4s2", "n32w4s3"]
 
 
-def test_default_decode_table_is_unchanged():
-    """The sweep lists candidates beside the table; the table itself stays (the cubins changed once: EXACT_ALPHA)."""
+def test_decode_table_and_its_wave_choice():
+    """d128 offers 2 and 3 stages (H200 sweep, 2026-12-03): 2 where key splits fill the block slots (B = 1, 8),
+    3 where a large batch would leave a tail (B = 64: 512 blocks on 396 slots with 2 stages, 264 with 3)."""
     A = variants.ForwardTile
-    assert variants.DECODE_TILES == {64: (A(16, 16, 4, 4),), 128: (A(16, 16, 4, 3), A(16, 16, 4, 2)),
+    assert variants.DECODE_TILES == {64: (A(16, 16, 4, 4),), 128: (A(16, 16, 4, 2), A(16, 16, 4, 3)),
                                      256: (A(16, 16, 4, 2), A(16, 16, 2, 2))}
-    v = variants.decode_variant(families.HOPPER, True, 128, False, variants.max_shared((9, 0)))
-    assert (v.block_n, v.warps, v.stages, v.exact_alpha) == (16, 4, 3, True)  # EXACT_ALPHA since 2026-12-02
+    assert variants.DECODE_TILES_BY_WAVE == {128}
+    shared = variants.max_shared((9, 0))
+    v = variants.decode_variant(families.HOPPER, True, 128, False, shared)
+    assert (v.block_n, v.warps, v.stages, v.exact_alpha, v.kv_swizzle) == (16, 4, 2, True, True)
     assert "-DEXACT_ALPHA=1" in v.defines() and "-DEXACT_ALPHA=0" in v._replace(exact_alpha=False).defines()
+    assert [w.stages for w in variants.decode_variants(families.HOPPER, True, 128, False, shared)] == [2, 3]
+    assert [w.stages for w in variants.decode_variants(families.AMPERE, True, 128, False, 101376)] == [2]
+    assert [w.warps for w in variants.decode_variants(families.HOPPER, True, 256, True, shared)] == [4]
+    for kv_format in ("cache", "paged"):
+        picks = {}
+        for batch, capacity in ((1, 32768), (8, 32768), (8, 131072), (64, 32768), (1, 4096)):
+            p = _decode_problem(kv_format, batch=batch)
+            picks[batch, capacity] = launch_decode.pick_decode_variant(p, capacity, 132, None).stages
+        assert picks == {(1, 32768): 2, (8, 32768): 2, (8, 131072): 2, (64, 32768): 3, (1, 4096): 3}, kv_format
+    p = _decode_problem("cache", batch=64)
+    assert launch_decode.pick_decode_variant(p, 32768, 132, 3).stages == 2  # 1536 blocks fill both alike
+    assert launch_decode.pick_decode_variant(p._replace(head_dim=64, head_dim_v=64), 32768, 132, None).stages == 4
 
 
 def test_sweep_candidates_fit_and_start_with_the_default():
     found = cuda_decode.tile_candidates(128)
     assert [cuda_decode.tile_label(v) for v in found] == D128_CANDIDATES
     default = variants.decode_variant(families.HOPPER, True, 128, False, variants.max_shared((9, 0)))
-    assert found[0] == default._replace(exact_alpha=False)
-    assert cuda_decode.tile_candidates(128, exact_alpha=True)[1] == default
+    assert found[0] == default._replace(exact_alpha=False, kv_swizzle=False)  # (+swz twins: --tile all+swz)
+    assert cuda_decode.tile_candidates(128, exact_alpha=True)[1] == default._replace(kv_swizzle=False)
     assert all(v.kernel == "decode" and v.shared_bytes() <= 232448 and v.block_m == 16 for v in found)
     assert [cuda_decode.tile_label(v) for v in cuda_decode.tile_candidates(128, exact_alpha=True)][:2] == \
-        ["n16w4s3", "n16w4s3+ea"]
+        ["n16w4s2", "n16w4s2+ea"]
     d64 = {cuda_decode.tile_label(v) for v in cuda_decode.tile_candidates(64)}
     assert {"n64w4s2", "n64w4s3"} <= d64  # 64-key blocks fit only at d64
     with pytest.raises(SystemExit):
@@ -227,7 +242,7 @@ def test_sweep_candidates_fit_and_start_with_the_default():
 def test_sweep_dry_run_lists_every_candidate(capsys):
     assert cuda_decode.main(["sweep", "--dry-run", "--exact-alpha"]) == 0
     out = capsys.readouterr().out
-    assert all(f"{label} " in out for label in D128_CANDIDATES + ["n16w4s3+ea"])
+    assert all(f"{label} " in out for label in D128_CANDIDATES + ["n16w4s2+ea"])
 
 
 def test_sweep_labels_name_forced_split_counts():

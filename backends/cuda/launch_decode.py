@@ -29,7 +29,7 @@ from attnx.limits import kernel_window
 from .families import family_for, nvrtc_arch
 from .launch import (MAX_GRID, _check_grid, _strides, _strides_ok, _vector, family_tile, kernel_operand, round8,
                      score_mod)
-from .variants import Variant, decode_combine_variant, decode_variant, max_shared
+from .variants import Variant, decode_combine_variant, decode_variants, max_shared
 
 MAX_SEQLEN_Q = 16     # query rows per sequence the kernel is built for (one 16-row mma tile per head)
 ROWS_PER_BLOCK = 16   # rows of the GQA group (heads x queries) per kernel block
@@ -112,13 +112,40 @@ def decode_reasons(p) -> list[str]:
 
 
 @functools.lru_cache(maxsize=1024)
-def decode_variant_for(p) -> Optional[Variant]:
+def decode_candidates_for(p) -> tuple:
+    """The decode kernels `pick_decode_variant` chooses among for `p`, best first (empty: no tile)."""
     found = family_tile(p, "decode")
     if found is None:
-        return None
+        return ()
     family, tile = found
-    return decode_variant(family, p.dtype == torch.bfloat16, tile, score_mod(p), max_shared(p.capability),
-                          p.kv_format)
+    return tuple(decode_variants(family, p.dtype == torch.bfloat16, tile, score_mod(p), max_shared(p.capability),
+                                 p.kv_format))
+
+
+def decode_variant_for(p) -> Optional[Variant]:
+    """The first decode candidate for `p` (whether the kernel has a tile for it), or None."""
+    found = decode_candidates_for(p)
+    return found[0] if found else None
+
+
+WAVE_TIE = 0.05  # candidates whose grids fill the block slots within this of the best count as equal
+
+
+@functools.lru_cache(maxsize=1024)
+def pick_decode_variant(p, capacity: int, sm_count: int, splits: Optional[int]) -> Optional[Variant]:
+    """The candidate whose grid (after its key splits) fills the GPU's block slots best -- the fraction of
+    the slots its waves occupy, the last one included -- the earlier one on ties: fewer stages (more
+    blocks per SM) where splits can fill a wave, more stages where a large batch leaves a tail."""
+    found = decode_candidates_for(p)
+    if len(found) < 2:
+        return found[0] if found else None
+    fills = []
+    for v in found:
+        grid = _split_plan(p, v, capacity, sm_count, splits)[3]
+        slots = sm_count * blocks_per_sm(v, p.capability)
+        fills.append(grid / (math.ceil(grid / slots) * slots) if grid else 1.0)
+    best = max(fills)
+    return next(v for v, fill in zip(found, fills) if fill >= best - WAVE_TIE)
 
 
 class DecodeLaunch(NamedTuple):
@@ -174,8 +201,7 @@ def prepare(p, x: Inputs, sm_count: int, *, splits: Optional[int] = None,
     outputs, the workspace and the parameter record; launches nothing.
     """
     _check(p)
-    variant = variant or decode_variant_for(p)
-    if variant is None:
+    if variant is None and decode_variant_for(p) is None:
         raise InvalidArgumentError(f"no decode tile for head dims {p.head_dim}/{p.head_dim_v} on {p.arch}")
     d, dv = round8(p.head_dim), round8(p.head_dim_v)
     q, k, v = kernel_operand(x.q, d), kernel_operand(x.k, d), kernel_operand(x.v, dv)
@@ -213,6 +239,7 @@ def prepare(p, x: Inputs, sm_count: int, *, splits: Optional[int] = None,
         keep.append(sinks)
 
     rows = p.batch * p.heads_q * p.seqlen_q
+    variant = variant or pick_decode_variant(p, capacity, sm_count, splits)
     row_chunks, splits, split_keys, grid, combine = _split_plan(p, variant, capacity, sm_count, splits)
     if splits > 1:
         part_o = torch.empty(splits, rows, dv, device=q.device, dtype=torch.float32)

@@ -207,21 +207,29 @@ FORWARD_TILES = {
 HOPPER_BACKWARD_TILES = {64: (128, 64), 128: (64, 64)}
 HOPPER_BACKWARD_KEYS = 128
 # Split-KV decode: head-dim tile -> (block_m = 16 rows, block_n = keys per warp block, warps, K/V stages per
-# warp), best first; the first that fits the device's shared memory is used. 16-key blocks keep a warp's
-# ring small enough for 3-4 stages; the fallbacks are for ~99 KB GPUs (sm_86, sm_89). Unmeasured.
+# warp), best first; the first that fits the device's shared memory is used, except for the tiles of
+# `DECODE_TILES_BY_WAVE`. 16-key blocks keep a warp's ring small enough for 3-4 stages; d256's second
+# tile is for ~99 KB GPUs (sm_86, sm_89), unmeasured.
 DECODE_TILES = {
     64: (_A(16, 16, 4, 4),),                      # 76 KB
-    128: (_A(16, 16, 4, 3), _A(16, 16, 4, 2)),    # 109 KB / 74 KB
+    128: (_A(16, 16, 4, 2), _A(16, 16, 4, 3)),    # 74 KB (3 blocks per SM on sm_90) / 109 KB (2)
     256: (_A(16, 16, 4, 2), _A(16, 16, 2, 2)),    # 144 KB / 76 KB
 }
+# Head-dim tiles whose fitting DECODE_TILES the launcher picks among by how fully each one's grid fills
+# the GPU's block slots (`launch_decode.pick_decode_variant`). The H200 sweep of 2026-12-03 (run 8): d128
+# with 2 stages is best wherever the batch takes key splits (B = 1, 8: 0.92-0.99x cuDNN) and leaves a
+# 1.3-wave tail at B = 64 (512 blocks on 396 slots, 0.75-0.83x), where 3 stages fill 1.94 waves (0.86-0.98x).
+DECODE_TILES_BY_WAVE = frozenset({128})
 DECODE_HEAD_DIM_TILES = tuple(DECODE_TILES)
 DECODE_L2_PREFETCH = 128  # the decode kernel's cp.async L2 prefetch hint (bytes; sm80/ptx.cuh L2_PREFETCH): the
 # H200 sweep of 2026-12-02 (run 6): +1-3 % over none on a cache, 256 slower on paged caches
 # The decode kernel's K/V ring rows per key format: swizzled (KV_SWIZZLE, sm80/fa_decode.cu) or padded. ncu on
 # the H200 showed the padded rows' copies reading 1.5x the ideal L2 sectors; swizzled, a contiguous cache read
-# 1.01-1.05x faster (0.94-0.98x cuDNN) and paged-16 pools 0.96-1.02x (slower from B = 8: kept padded), sweep of
-# 2026-12-02 (benchmarks/results/h200-2026-12-02-run7/call4/logs/decode-swizzle-sweep.log). Ampere-class GPUs unmeasured.
-DECODE_KV_SWIZZLE = {"dense": True, "cache": True, "paged": False}
+# 1.01-1.05x faster (0.94-0.98x cuDNN), sweep of 2026-12-02 (h200-2026-12-02-run7/call4). Paged-16 pools lost
+# 2-4 % with the 3-stage tile from B = 8 there, but gain 3-6 % with the 2-stage tile the launcher now picks
+# at B = 1-8 and are within +-3 % at B = 64 (sweep of 2026-12-03, h200-2026-12-03-run8/call2): swizzled for
+# every format. Ampere-class GPUs unmeasured.
+DECODE_KV_SWIZZLE = {"dense": True, "cache": True, "paged": True}
 COMBINE_WARPS = 4  # decode_combine: one block of 4 warps per row (fa_decode.cu COMBINE_WARPS)
 # head-dim tiles of each family's kernels ("bwd", the Ampere backward, runs on sm_90 for head dims
 # above 128 and in the deterministic mode, which uses its tiles for dK/dV and for the dQ pass)
@@ -365,18 +373,30 @@ def hopper_backward_variant(family: Family, bf16: bool, tile: int, score_mod: bo
     return v if v.shared_bytes() <= max_shared else None
 
 
-def decode_variant(family: Family, bf16: bool, tile: int, score_mod: bool, max_shared: int,
-                   kv_format: str = "paged") -> Variant | None:
-    """The split-KV decode kernel for a head-dim tile and key format (its ring layout, `DECODE_KV_SWIZZLE`):
-    the first of `DECODE_TILES` that fits, or None."""
+def decode_variants(family: Family, bf16: bool, tile: int, score_mod: bool, max_shared: int,
+                    kv_format: str = "paged") -> list[Variant]:
+    """The split-KV decode kernels the launcher picks among for a head-dim tile and key format (its ring
+    layout, `DECODE_KV_SWIZZLE`), best first: every `DECODE_TILES` entry that fits for the tiles of
+    `DECODE_TILES_BY_WAVE`, else the first that fits; empty where none does."""
     if "decode" not in family.sources:
-        return None
+        return []
+    found = []
     for t in DECODE_TILES.get(tile, ()):
         v = Variant(family.name, "decode", bf16, tile, t.block_m, t.block_n, t.warps, score_mod, stages=t.stages,
                     exact_alpha=True, l2_prefetch=DECODE_L2_PREFETCH, kv_swizzle=DECODE_KV_SWIZZLE[kv_format])
         if v.shared_bytes() <= max_shared:
-            return v
-    return None
+            found.append(v)
+            if tile not in DECODE_TILES_BY_WAVE:
+                break
+    return found
+
+
+def decode_variant(family: Family, bf16: bool, tile: int, score_mod: bool, max_shared: int,
+                   kv_format: str = "paged") -> Variant | None:
+    """The first of `decode_variants` (the launcher's pick when the grid fills every candidate's block
+    slots alike), or None."""
+    found = decode_variants(family, bf16, tile, score_mod, max_shared, kv_format)
+    return found[0] if found else None
 
 
 # The decode tile sweep's axes (`decode_sweep_variants`; benchmarks/cuda_decode.py `time --tiles`).
@@ -389,16 +409,17 @@ def decode_sweep_variants(tile: int, *, family: str = "sm90", bf16: bool = True,
                           max_shared: int | None = None, exact_alpha: bool = False) -> list[Variant]:
     """The decode tile sweep's candidates for head-dim tile `tile`: every BLOCK_N x warps x KV stages of the
     sweep's axes whose shared memory fits `max_shared` (default: the family's first GPU with the most,
-    sm_90's 232,448 bytes), the launcher's pick (`decode_variant`) first. Not a launcher table: the
+    sm_90's 232,448 bytes), the launcher's candidates (`decode_variants`) first. Not a launcher table: the
     sweep's winner goes into `DECODE_TILES`. d128 on sm_90: 16-key blocks w4 s2-s4, w8 s2-s3; 32-key
     blocks w4 s2-s3; 64-key blocks fit no ring of 4 warps (each warp's ring is STAGES x 64 x 272 x 2 bytes)."""
     fam = FAMILIES[family]
     if "decode" not in fam.sources:
         return []
     shared = max_shared if max_shared is not None else max(SHARED_PER_BLOCK[c] for c in covered_capabilities(fam))
-    default = decode_variant(fam, bf16, tile, score_mod, shared)
-    # compared without EXACT_ALPHA, then all given `exact_alpha` (the sweep times each one's +ea twin itself)
-    found = [default._replace(exact_alpha=False)] if default is not None else []
+    # compared without EXACT_ALPHA and padded, then all given `exact_alpha` (the sweep times each one's +ea and
+    # +swz twins itself)
+    found = [v._replace(exact_alpha=False, kv_swizzle=False)
+             for v in decode_variants(fam, bf16, tile, score_mod, shared)]
     for bn in DECODE_SWEEP_BLOCK_N:
         for w in DECODE_SWEEP_WARPS:
             for st in DECODE_SWEEP_STAGES:
@@ -450,8 +471,7 @@ def requestable(family: Family, capability) -> list[Variant]:
                 found += [bwd, bwd._replace(dq_ordered=True)] if bwd else []  # the second: deterministic
             for tile in TILE_SETS.get((family.name, "decode"), ()):
                 for kv_format in ("cache", "paged"):  # (dense keys share the cache's ring layout)
-                    dec = decode_variant(family, bf16, tile, mod, shared, kv_format)
-                    found += [dec] if dec and dec not in found else []
+                    found += [v for v in decode_variants(family, bf16, tile, mod, shared, kv_format) if v not in found]
         combine = decode_combine_variant(family, bf16)
         found += [combine] if combine else []
     return found
