@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait replay recheck nan-fixup
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-sweep-paged decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait replay recheck nan-fixup
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -165,15 +165,20 @@ for step in "$@"; do
                 -o "$0/logs/decode" python3 -m benchmarks.decode_kernel_times --batches 8 --lengths 32768 >/dev/null &&
                 ncu --import "$0/logs/decode.ncu-rep" --page source --csv --print-source sass > "$0/logs/ncu-decode-sass.csv" &&
                 gzip -f "$0/logs/ncu-decode-sass.csv" && rm -f "$0/logs/decode.ncu-rep"' "$out" ;;
-    # paged pools read 6-13 % below a cache (run 7) and lost with the swizzled ring: the paged kernel alone,
-    # ring padded (the launcher's), L2 sectors and a full profile with SASS source counters (page lookups)
+    # paged pools read 10 % below a cache at B = 64 (run 8): the paged kernel alone (the launcher's tile),
+    # L2 sectors and a full profile with SASS source counters (page lookups)
     ncu-decode-paged) run_step ncu-decode-paged 240 bash -c 'for fmt in cache paged16; do ncu --clock-control none \
                 -k "regex:^attnx_decode$" -s 3 -c 1 --metrics lts__t_sectors_srcunit_tex_op_read.sum,lts__t_requests_srcunit_tex_op_read.sum,dram__sectors_read.sum,smsp__inst_executed_op_ldgsts.sum,gpu__time_duration.sum \
-                python3 -m benchmarks.decode_kernel_times --batches 8 --lengths 32768 --formats $fmt --no-cudnn; done &&
+                python3 -m benchmarks.decode_kernel_times --batches 64 --lengths 32768 --formats $fmt --no-cudnn; done &&
                 ncu --clock-control none --set full --import-source yes -k "regex:^attnx_decode$" -s 3 -c 1 -o "$0/logs/paged" \
-                python3 -m benchmarks.decode_kernel_times --batches 8 --lengths 32768 --formats paged16 --no-cudnn >/dev/null &&
+                python3 -m benchmarks.decode_kernel_times --batches 64 --lengths 32768 --formats paged16 --no-cudnn >/dev/null &&
                 ncu --import "$0/logs/paged.ncu-rep" --page source --csv --print-source sass > "$0/logs/ncu-paged-sass.csv" &&
                 gzip -f "$0/logs/ncu-paged-sass.csv" && rm -f "$0/logs/paged.ncu-rep"' "$out" ;;
+    # page sizes 1 and 16 with the launcher's two d128 tiles, padded and swizzled (run 8 call 3: page 1 lost
+    # 7-10 % at B = 64 with the swizzled ring, paged 16 is 0.89x the cache there)
+    decode-sweep-paged) run_step decode-sweep-paged 200 python3 -m benchmarks.cuda_decode sweep \
+                --tile n16w4s2+ea,n16w4s2+ea+swz,n16w4s3+ea,n16w4s3+ea+swz --formats cache,paged16,paged1 \
+                --batches 1,8,64 --lengths 4096,32768 ;;
     decode-sweep) run_step decode-sweep 150 python3 -m benchmarks.cuda_decode sweep --exact-alpha ;;
     # every sweep candidate beside its swizzled-ring twin (run 7 swept only the launcher's tile swizzled)
     decode-sweep-swz) run_step decode-sweep-swz 300 python3 -m benchmarks.cuda_decode sweep --tile all+swz ;;
