@@ -57,7 +57,9 @@ def cases() -> list:
         for n in LENGTHS:
             lens = (n, n) if fmt == "dense" else (n, max(n // 2, 0) if fmt == "cache" else max(n - 3, 0))
             found.append(Case(f"{fmt} len", fmt, lens, 8, 2, 1, 128, 128, ps, {}))
-    for ps in (1, 16, 256):
+    # page sizes: one key (per-key entries), 5 (a division), 8 (two pages per 16-key block), 16 and 48 (a
+    # block inside one page: one entry per block; 48 by a division), 256
+    for ps in (1, 5, 8, 16, 48, 256):
         found.append(Case(f"paged{ps} mixed", "paged", (1000, 17, 0, 4097), 8, 2, 1, 128, 128, ps, {}))
         found.append(Case(f"paged{ps} causal sq4", "paged", (3, 300, 1000), 8, 2, 4, 128, 128, ps, {"causal": True}))
     found.append(Case("cache empty", "cache", (0, 17, 0), 8, 2, 1, 128, 128, 0, {}))
@@ -97,7 +99,7 @@ def cases() -> list:
                                                                       "causal": True}),
         ("nan key", (1000, 300), 8, 2, 4, 128, 128, {"nan_key": 37, "causal": True}),
     ]
-    for fmt, ps in (("cache", 0), ("paged", 1), ("paged", 16), ("paged", 256)):
+    for fmt, ps in (("cache", 0), ("paged", 1), ("paged", 5), ("paged", 16), ("paged", 48), ("paged", 256)):
         found.append(Case(f"{fmt} bad index values", fmt, (1000, 300, 40), 8, 2, 1, 128, 128, ps,
                           {"bad_index": True}))
     for fmt, ps in (("dense", 0), ("cache", 0), ("paged", 16)):
@@ -131,7 +133,7 @@ TILE_CASES = (  # (name, page size, first length) of cases()
 def tile_label(v) -> str:
     """A candidate's short name: keys per warp block, warps, stages (+ea: EXACT_ALPHA; +l2_N: cp.async's
     L2 prefetch hint of N bytes where it is not the launcher's, `variants.DECODE_L2_PREFETCH`; +swz: K/V rows
-    swizzled, as the launcher's for dense and cache keys, `variants.DECODE_KV_SWIZZLE`; else padded)."""
+    swizzled, as the launcher's rings are by key format and stages, `variants.DECODE_KV_SWIZZLE`; else padded)."""
     from attnx.backends.cuda import variants
 
     return (f"n{v.block_n}w{v.warps}s{v.stages}" + ("+ea" if v.exact_alpha else "")

@@ -57,6 +57,15 @@ def check_copy_map(variant) -> None:
         raise AssertionError(f"the rings need {ring} / merge {merge} bytes, launched with {variant.shared_bytes()}")
 
 
+def _page_index(keys: torch.Tensor, r) -> torch.Tensor:
+    """lookup_key's page index: a shift by page_shift where the launcher gives one, else a division."""
+    if r["page_shift"] >= 0:
+        if 1 << r["page_shift"] != r["page_size"]:
+            raise AssertionError(f"page_shift {r['page_shift']} for page size {r['page_size']}")
+        return keys >> r["page_shift"]
+    return keys // r["page_size"]
+
+
 def kv_chunk(r: int, cc: int, hd: int) -> int:
     """fa_decode.cu `kv_chunk` with KV_SWIZZLE: the byte offset of 16-byte chunk cc of row r in a stage."""
     return r * hd * 2 + ((cc & ~7) | ((cc ^ r) & 7)) * 16
@@ -129,9 +138,14 @@ def emulate(plan):
             live = keys < sk
             if "page_table" in mem:
                 kl = keys[live]
-                idx = kl // r["page_size"]
+                if r["page_size"] % bn == 0:  # block_in_page: key n0's entry, rows n0's + r
+                    n0 = kl - kl % bn
+                    idx = _page_index(n0, r)
+                    prow = n0 - idx * r["page_size"] + kl % bn
+                else:
+                    idx = _page_index(kl, r)
+                    prow = kl - idx * r["page_size"]
                 page = _at(mem["page_table"], b * r["pt_bs"] + idx).long().clamp(0, r["num_pages"] - 1)
-                prow = kl - idx * r["page_size"]
                 koff, voff = page * r["k_bs"] + prow * r["k_rs"], page * r["v_bs"] + prow * r["v_rs"]
                 kbase, vbase = hk * r["k_hs"], hk * r["v_hs"]
             else:

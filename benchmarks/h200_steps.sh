@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-sweep-paged decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait replay recheck nan-fixup
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-sweep-paged decode-sanitize decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait replay recheck nan-fixup
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -209,6 +209,12 @@ for step in "$@"; do
                 --tool memcheck --report-api-errors no python3 -m benchmarks.cuda_varlen_backward check --only tail
             [ -n "${passed[varlen-backward-check]:-}" ] && run_step varlen-backward-time 150 python3 -m \
                 benchmarks.cuda_varlen_backward time --dims 128 ;;
+    # the decode kernel under the sanitizers: garbage page tables and lengths (memcheck), the rings (racecheck,
+    # synccheck) on mixed page sizes
+    decode-sanitize) run_step decode-memcheck 120 compute-sanitizer --tool memcheck --report-api-errors no \
+                python3 -m benchmarks.cuda_decode check --only "bad index"
+            for tool in racecheck synccheck; do run_step decode-$tool 120 compute-sanitizer --tool $tool \
+                --report-api-errors no python3 -m benchmarks.cuda_decode check --only mixed; done ;;
     decode-cuda) run_step decode-cuda-check 150 python3 -m benchmarks.cuda_decode check
             [ -n "${passed[decode-cuda-check]:-}" ] && run_step decode-cuda-time 200 python3 -m benchmarks.cuda_decode time ;;
     *) echo "$step: unknown step" >> "$out/summary.txt" ;;

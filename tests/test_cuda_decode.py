@@ -147,7 +147,7 @@ def _decode_problem(kv_format="cache", **kw):
 
 @pytest.mark.parametrize("kv_format", ["cache", "paged"])
 def test_cache_and_paged_keys_run_the_decode_kernel(kv_format):
-    """Checked on the H200 (2026-12-02: 118/118): forward-only cache/paged calls of up to 16 queries are
+    """Checked on the H200 (2026-12-02: 118/118 cases; later runs in docs/testing.md): forward-only cache/paged calls of up to 16 queries are
     accepted and run here, ahead of triton on sm_90; gradients, longer query blocks and head dims without
     a tile are declined with their reason."""
     backend = attnx.get_backend("cuda")
@@ -186,9 +186,12 @@ def test_decode_compiles_without_spills_for_sm_90a():
     if reason:
         pytest.skip(reason)
     shared = variants.max_shared((9, 0))
-    for tile, kv_format in ((128, "cache"), (128, "paged"), (256, "cache"), (256, "paged")):
-        v = variants.decode_variant(families.HOPPER, True, tile, tile == 256, shared, kv_format)
-        assert v.kv_swizzle == variants.DECODE_KV_SWIZZLE[kv_format]
+    found = [v for tile, kv_format in ((128, "cache"), (128, "paged"), (256, "cache"), (256, "paged"))
+             for v in variants.decode_variants(families.HOPPER, True, tile, tile == 256, shared, kv_format)]
+    # d128: 2 and 3 stages per format; paged pools keep the 3-stage ring padded (DECODE_KV_SWIZZLE)
+    assert [(v.head_dim, v.stages, v.kv_swizzle) for v in found] == [
+        (128, 2, True), (128, 3, True), (128, 2, True), (128, 3, False), (256, 2, True), (256, 2, True)]
+    for v in found:
         ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
                                                    (*nvrtc_options(v, "sm_90a"), "-Xptxas=-v"))
         assert ok and size > 0, log[:2000]
@@ -316,3 +319,16 @@ def test_sweep_swizzled_twins():
     assert labels[::2] == D128_CANDIDATES and labels[1::2] == [f"{x}+swz" for x in D128_CANDIDATES]
     assert all(s.kv_swizzle and not p.kv_swizzle and s.shared_bytes() < p.shared_bytes()
                for p, s in zip(found[::2], found[1::2]))
+
+
+@pytest.mark.parametrize("page_size,shift", [(1, 0), (5, -1), (8, 3), (16, 4), (48, -1), (256, 8)])
+def test_paged_calls_pass_the_page_shift(page_size, shift):
+    """The kernel shifts by `page_shift` where the page size is a power of two and divides otherwise."""
+    assert launch_decode.page_shift(page_size) == shift
+    p = _decode_problem("paged", batch=1, page_size=page_size)
+    pages = -(-4096 // page_size)
+    pool = torch.randn(pages, page_size, 8, 128, dtype=torch.bfloat16)
+    x = Inputs(q=torch.randn(1, 32, 1, 128, dtype=torch.bfloat16), k=pool, v=pool,
+               page_table=torch.arange(pages, dtype=torch.int32)[None], seqlens_k=torch.tensor([4000]))
+    plan = launch_decode.prepare(p, x, 132)
+    assert plan.args["page_shift"] == shift and plan.args["page_size"] == page_size

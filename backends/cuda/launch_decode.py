@@ -44,8 +44,8 @@ _POINTERS = ("q", "k", "v", "o", "lse", "part_o", "part_lse", "alibi", "sinks", 
 _STRIDES = ("q_bs", "q_hs", "q_rs", "k_bs", "k_hs", "k_rs", "v_bs", "v_hs", "v_rs", "o_bs", "o_hs", "o_rs",
             "alibi_bs", "alibi_hs", "pt_bs")
 _INTS = ("batch", "heads_q", "heads_kv", "group", "seqlen_q", "capacity", "head_dim", "head_dim_v",
-         "window_left", "window_right", "key_offset", "align_br", "page_size", "num_pages", "row_chunks",
-         "splits", "split_keys", "rows")
+         "window_left", "window_right", "key_offset", "align_br", "page_size", "num_pages", "page_shift",
+         "row_chunks", "splits", "split_keys", "rows")
 _FLOATS = ("scale", "scale_log2", "softcap", "softcap_inv")
 DECODE_PARAMS_DTYPE = np.dtype([(n, np.uint64) for n in _POINTERS] + [(n, np.int64) for n in _STRIDES]
                                + [(n, np.int32) for n in _INTS] + [(n, np.float32) for n in _FLOATS], align=True)
@@ -85,6 +85,11 @@ def num_splits(programs: int, slots: int, capacity: int, split_unit: int) -> int
         eff.append(waves / math.ceil(waves))
     best = max(eff)
     return next(s for s, e in enumerate(eff, start=1) if e >= 0.85 * best)
+
+
+def page_shift(page_size: int) -> int:
+    """log2(page_size) for powers of two (the kernel then shifts instead of dividing), else -1."""
+    return page_size.bit_length() - 1 if page_size > 0 and page_size & (page_size - 1) == 0 else -1
 
 
 def runs_decode(p) -> bool:
@@ -222,7 +227,7 @@ def prepare(p, x: Inputs, sm_count: int, *, splits: Optional[int] = None,
         vb, vr, vh = (s if n > 1 else 0 for s, n in zip(v.stride()[:3], v.shape[:3]))
         capacity = table.shape[1] * p.page_size if num_pages > 0 else 0
         fields.update(page_table=table.data_ptr(), pt_bs=table.stride(0) if table.shape[0] > 1 else 0,
-                      page_size=p.page_size, num_pages=num_pages)
+                      page_size=p.page_size, num_pages=num_pages, page_shift=page_shift(p.page_size))
     else:
         (kb, kh, kr), (vb, vh, vr) = _strides(k), _strides(v)
         capacity = k.shape[2]

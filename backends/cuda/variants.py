@@ -223,13 +223,12 @@ DECODE_TILES_BY_WAVE = frozenset({128})
 DECODE_HEAD_DIM_TILES = tuple(DECODE_TILES)
 DECODE_L2_PREFETCH = 128  # the decode kernel's cp.async L2 prefetch hint (bytes; sm80/ptx.cuh L2_PREFETCH): the
 # H200 sweep of 2026-12-02 (run 6): +1-3 % over none on a cache, 256 slower on paged caches
-# The decode kernel's K/V ring rows per key format: swizzled (KV_SWIZZLE, sm80/fa_decode.cu) or padded. ncu on
-# the H200 showed the padded rows' copies reading 1.5x the ideal L2 sectors; swizzled, a contiguous cache read
-# 1.01-1.05x faster (0.94-0.98x cuDNN), sweep of 2026-12-02 (h200-2026-12-02-run7/call4). Paged-16 pools lost
-# 2-4 % with the 3-stage tile from B = 8 there, but gain 3-6 % with the 2-stage tile the launcher now picks
-# at B = 1-8 and are within +-3 % at B = 64 (sweep of 2026-12-03, h200-2026-12-03-run8/call2): swizzled for
-# every format. Ampere-class GPUs unmeasured.
-DECODE_KV_SWIZZLE = {"dense": True, "cache": True, "paged": True}
+# The decode kernel's K/V ring rows, per key format: the stage counts whose ring is swizzled (KV_SWIZZLE,
+# sm80/fa_decode.cu); other rings are padded. ncu on the H200 showed the padded rows' copies reading 1.5x the
+# ideal L2 sectors; swizzled, a contiguous cache read 1.01-1.05x faster (0.94-0.98x cuDNN), sweep of 2026-12-02
+# (h200-2026-12-02-run7/call4). Paged pools: 3-5 % faster swizzled with 2 stages (B = 1, 8), 3-12 % slower with
+# 3 (B = 64; page 1 the most), sweep of 2026-12-03 (h200-2026-12-03-run8/call4). Ampere-class GPUs unmeasured.
+DECODE_KV_SWIZZLE = {"dense": (2, 3, 4), "cache": (2, 3, 4), "paged": (2,)}
 COMBINE_WARPS = 4  # decode_combine: one block of 4 warps per row (fa_decode.cu COMBINE_WARPS)
 # head-dim tiles of each family's kernels ("bwd", the Ampere backward, runs on sm_90 for head dims
 # above 128 and in the deterministic mode, which uses its tiles for dK/dV and for the dQ pass)
@@ -383,7 +382,8 @@ def decode_variants(family: Family, bf16: bool, tile: int, score_mod: bool, max_
     found = []
     for t in DECODE_TILES.get(tile, ()):
         v = Variant(family.name, "decode", bf16, tile, t.block_m, t.block_n, t.warps, score_mod, stages=t.stages,
-                    exact_alpha=True, l2_prefetch=DECODE_L2_PREFETCH, kv_swizzle=DECODE_KV_SWIZZLE[kv_format])
+                    exact_alpha=True, l2_prefetch=DECODE_L2_PREFETCH,
+                    kv_swizzle=t.stages in DECODE_KV_SWIZZLE[kv_format])
         if v.shared_bytes() <= max_shared:
             found.append(v)
             if tile not in DECODE_TILES_BY_WAVE:

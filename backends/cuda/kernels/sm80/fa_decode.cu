@@ -51,6 +51,7 @@ struct DecodeParams {
   int key_offset;          // aligned position of query 0 when !align_br
   int align_br;            // 1: bottom-right per sequence, offset = seqlen_k[b] - Sq
   int page_size, num_pages;
+  int page_shift;          // log2(page_size) for powers of two, else -1 (a shift, not a division)
   int row_chunks;          // ceil(group * Sq / 16)
   int splits, split_keys;  // split s covers keys [s * split_keys, (s + 1) * split_keys)
   int rows;                // B * Hq * Sq: rows of lse and of each split's partials
@@ -87,23 +88,36 @@ DEVI u32 kv_chunk(int r, int cc) {
 }
 
 // Copy key block [n0, n0 + BN) of K and V into one ring stage (rows at `kv_chunk`). Keys >= Sk and
-// columns past the head dims are zero-filled without a read. Paged: lane j holds the pool page and
-// row of key n0 + j in (pg, pr) and, for 64-key blocks, of key n0 + 32 + j in (pg2, pr2), shuffled
-// to the copiers; copy i of a lane covers row
+// columns past the head dims are zero-filled without a read. Paged (entries from `lookup_page`, raw:
+// clamped here, one block after their load was issued, so its latency hides behind a block's math):
+// when a block lies inside one page (`block_in_page`), every lane holds that page and the row of key
+// n0 in (pg, pr); otherwise lane j holds the page and row of key n0 + j in (pg, pr) and, for 64-key
+// blocks, of key n0 + 32 + j in (pg2, pr2), shuffled to the copiers; copy i of a lane covers row
 // r = (lane + 32 i) / CPR, whose register pair r / 32 is i / CPR for every lane (lane < 32): known
 // at compile time.
+template <int BN>
+DEVI bool block_in_page(const DecodeParams& p) { return p.page_size % BN == 0; }  // (blocks start at n0 % BN == 0)
+
 template <int HD, int BN>
 DEVI void load_kv(u32 sK, u32 sV, const DecodeParams& p, const u16* kbase, const u16* vbase, int n0, int Sk,
                   int pg, int pr, int pg2, int pr2, int lane) {
   constexpr int CPR = HD / 8, CHUNKS = BN * CPR / 32;
   static_assert(BN <= 64, "two page registers per lane");
   const bool paged = p.page_table != nullptr;
+  const bool one_page = paged && block_in_page<BN>(p);
+  if (paged) {
+    pg = min(max(pg, 0), p.num_pages - 1);
+    if constexpr (BN > 32) pg2 = min(max(pg2, 0), p.num_pages - 1);
+  }
 #pragma unroll
   for (int i = 0; i < CHUNKS; ++i) {
     const int c = lane + 32 * i, r = c / CPR, cc = c % CPR;
     const int j = n0 + r;
     long long koff, voff;
-    if (paged) {
+    if (one_page) {
+      koff = pg * p.k_bs + (pr + r) * p.k_rs;
+      voff = pg * p.v_bs + (pr + r) * p.v_rs;
+    } else if (paged) {
       if constexpr (BN > 32) {
         const bool hi = i / CPR != 0;
         const int page = __shfl_sync(0xffffffffu, hi ? pg2 : pg, r & 31);
@@ -127,25 +141,30 @@ DEVI void load_kv(u32 sK, u32 sV, const DecodeParams& p, const u16* kbase, const
   }
 }
 
-// Page and row in page of key n0 + lane (lanes < BN; 0 past Sk), the table entry clamped; 64-key
-// blocks: key n0 + 32 + lane's in (pg2, pr2) too.
+// The raw table entry of key j's page (0 at and past Sk) and j's row in the page.
+DEVI void lookup_key(const DecodeParams& p, int b, int j, int Sk, int* pg, int* pr) {
+  int page = 0, row = 0;
+  if (j < Sk) {
+    // < max_pages: j < Sk <= capacity = max_pages * page_size
+    const int idx = p.page_shift >= 0 ? j >> p.page_shift : j / p.page_size;
+    page = p.page_table[b * p.pt_bs + idx];
+    row = j - idx * p.page_size;
+  }
+  *pg = page;
+  *pr = row;
+}
+
+// Where a block lies inside one page: key n0's entry in every lane. Otherwise key n0 + lane's (lanes
+// < BN) and, for 64-key blocks, key n0 + 32 + lane's in (pg2, pr2). `load_kv` clamps the entries.
 template <int BN>
 DEVI void lookup_page(const DecodeParams& p, int b, int n0, int Sk, int lane, int* pg, int* pr, int* pg2,
                       int* pr2) {
-  if constexpr (BN <= 32) {
-    const int j = n0 + lane;
-    int page = 0, row = 0;
-    if (lane < BN && j < Sk) {
-      const int idx = j / p.page_size;  // < max_pages: j < Sk <= capacity = max_pages * page_size
-      page = min(max(p.page_table[b * p.pt_bs + idx], 0), p.num_pages - 1);
-      row = j - idx * p.page_size;
-    }
-    *pg = page;
-    *pr = row;
-  } else {
-    lookup_page<32>(p, b, n0, Sk, lane, pg, pr, nullptr, nullptr);
-    lookup_page<32>(p, b, n0 + 32, Sk, lane, pg2, pr2, nullptr, nullptr);
+  if (block_in_page<BN>(p)) {
+    lookup_key(p, b, n0, Sk, pg, pr);
+    return;
   }
+  lookup_key(p, b, lane < BN ? n0 + lane : Sk, Sk, pg, pr);
+  if constexpr (BN > 32) lookup_key(p, b, n0 + 32 + lane, Sk, pg2, pr2);
 }
 
 template <bool BF16, int HD, int BN, int NW, bool MOD, int STAGES>
