@@ -188,9 +188,9 @@ def test_decode_compiles_without_spills_for_sm_90a():
     shared = variants.max_shared((9, 0))
     found = [v for tile, kv_format in ((128, "cache"), (128, "paged"), (256, "cache"), (256, "paged"))
              for v in variants.decode_variants(families.HOPPER, True, tile, tile == 256, shared, kv_format)]
-    # d128: 2 and 3 stages per format; paged pools keep the 3-stage ring padded (DECODE_KV_SWIZZLE)
+    # d128: 2 and 3 stages per format, every ring swizzled (DECODE_KV_SWIZZLE)
     assert [(v.head_dim, v.stages, v.kv_swizzle) for v in found] == [
-        (128, 2, True), (128, 3, True), (128, 2, True), (128, 3, False), (256, 2, True), (256, 2, True)]
+        (128, 2, True), (128, 3, True), (128, 2, True), (128, 3, True), (256, 2, True), (256, 2, True)]
     for v in found:
         ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
                                                    (*nvrtc_options(v, "sm_90a"), "-Xptxas=-v"))

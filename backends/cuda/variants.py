@@ -226,9 +226,11 @@ DECODE_L2_PREFETCH = 128  # the decode kernel's cp.async L2 prefetch hint (bytes
 # The decode kernel's K/V ring rows, per key format: the stage counts whose ring is swizzled (KV_SWIZZLE,
 # sm80/fa_decode.cu); other rings are padded. ncu on the H200 showed the padded rows' copies reading 1.5x the
 # ideal L2 sectors; swizzled, a contiguous cache read 1.01-1.05x faster (0.94-0.98x cuDNN), sweep of 2026-12-02
-# (h200-2026-12-02-run7/call4). Paged pools: 3-5 % faster swizzled with 2 stages (B = 1, 8), 3-12 % slower with
-# 3 (B = 64; page 1 the most), sweep of 2026-12-03 (h200-2026-12-03-run8/call4). Ampere-class GPUs unmeasured.
-DECODE_KV_SWIZZLE = {"dense": (2, 3, 4), "cache": (2, 3, 4), "paged": (2,)}
+# (h200-2026-12-02-run7/call4). Paged pools: swizzled 3-5 % faster with 2 stages (B = 1, 8) but 3-12 % slower
+# with 3 (B = 64) while the kernel clamped each page entry right after its load (run8/call4); with the lookup
+# of 2026-12-03 (entries clamped a block later, one per block inside a page) swizzled is 0-5 % faster at
+# B = 64 with 3 stages too and never more than 1 % slower (run9/call1). Ampere-class GPUs unmeasured.
+DECODE_KV_SWIZZLE = {"dense": (2, 3, 4), "cache": (2, 3, 4), "paged": (2, 3, 4)}
 COMBINE_WARPS = 4  # decode_combine: one block of 4 warps per row (fa_decode.cu COMBINE_WARPS)
 # head-dim tiles of each family's kernels ("bwd", the Ampere backward, runs on sm_90 for head dims
 # above 128 and in the deterministic mode, which uses its tiles for dK/dV and for the dQ pass)
