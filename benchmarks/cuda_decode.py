@@ -469,12 +469,16 @@ def llama_decode_inputs(batches, lengths, max_gb: float, head_dim: int = 128):
 
 def time_all(batches, lengths, max_gb: float) -> None:
     """Llama-3-8B decode (32 q heads, 8 kv heads, d128, bf16, one new token): GB/s of K+V read once,
-    kernels replayed from a CUDA graph (the Python call is not what is compared); `eager` rows add it."""
+    kernels replayed from a CUDA graph (the Python call is not what is compared); `eager` rows add it.
+    torch's kernels (SDPA's three, FlexAttention) run the dense problem: they take no cache lengths or
+    page tables."""
     import attnx
     from attnx.autograd import backend_view
     from attnx.backends.cuda import launch_decode
     from attnx.problem import make_call
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from .flex_rows import flex_decode
 
     major, minor = torch.cuda.get_device_capability()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -495,6 +499,9 @@ def time_all(batches, lengths, max_gb: float) -> None:
                 with sdpa_kernel(kind):
                     return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
             row("dense", name, sdpa)
+        flex = flex_decode(q, k, v)  # FlexAttention has no cache lengths or pages: dense rows only
+        if flex is not None:
+            row("dense", "flex", flex, f"err {_default_error(q, k, v, flex()):.1e}")
         for fmt in ("dense", "cache", "paged16", "paged1"):
             kw = {}
             kk, vv = k, v

@@ -370,12 +370,15 @@ def sdpa_padded(q, k, v, lens, causal: bool):
 def time_all(total: int, hq: int, hkv: int, dims, seqs: int, hopper: bool = False) -> None:
     """bf16, `seqs` sequences of random lengths summing to `total`, beside equal lengths and one sequence
     of `total` tokens: TFLOP/s (4 * pairs * D * Hq, the pairs of the sequences only) of the varlen kernel,
-    triton's varlen, SDPA on the padded batch (`sdpa_padded`), and the cuda backend's dense kernel on the
-    dense equivalent (B x S when lengths are equal)."""
+    triton's varlen, SDPA on the padded batch (`sdpa_padded`), FlexAttention on the packed tokens with a
+    document mask (its row's name carries its max error against triton's varlen), and the cuda backend's
+    dense kernel on the dense equivalent (B x S when lengths are equal)."""
     import attnx
     from attnx.autograd import backend_view
     from attnx.backends.cuda import launch_varlen
     from attnx.problem import make_call
+
+    from .flex_rows import flex_document, packed_out
 
     major, minor = torch.cuda.get_device_capability()
     rng = random.Random(0)
@@ -407,6 +410,11 @@ def time_all(total: int, hq: int, hkv: int, dims, seqs: int, hopper: bool = Fals
                     row("cuda hopper varlen", lambda: launch_varlen.forward(p, xv, variant=hopper_variant(p)))
                 row("triton varlen", lambda: attnx.attention(q, k, v, backend="triton", **kw))
                 row("sdpa padded batch", sdpa_padded(q, k, v, lens, causal))
+                flex = flex_document(q, k, v, lens, causal)
+                if flex is not None:
+                    ref = attnx.attention(q, k, v, backend="triton", **kw).float()
+                    err = float((packed_out(flex()).float() - ref).abs().max())
+                    row(f"flex doc mask {err:.0e}", flex)
                 if shape != "random":  # the dense equivalent: B sequences of one length
                     b, s = len(lens), lens[0]
                     qd, kd, vd = (t.view(b, s, t.shape[1], d) for t in (q, k, v))
