@@ -80,6 +80,9 @@ class Problem(NamedTuple):
     # whether the caller uses lse (return_lse, or a backward): False lets a backend skip computing it
     # (its forward may then return None for lse); True by default, always with gradients
     wants_lse: bool = True
+    # whether the caller receives lse (return_lse): False when only a backward uses it, so a row's lse
+    # matters only through the probabilities it makes (a NaN q row makes its own NaN there)
+    returns_lse: bool = True
 
     @classmethod
     def create(cls, *, dtype: torch.dtype, batch: int, heads_q: int, seqlen_q: int, head_dim: int,
@@ -137,7 +140,7 @@ class Problem(NamedTuple):
                    mask_requires_grad=bool(mask_requires_grad and needs_grad), has_alibi=bool(alibi),
                    has_sinks=bool(sinks), softcap=softcap, scale=scale, needs_grad=bool(needs_grad),
                    deterministic=bool(deterministic and needs_grad), q_format=q_format, kv_format=kv_format,
-                   page_size=page_size, wants_lse=bool(wants_lse or needs_grad))
+                   page_size=page_size, wants_lse=bool(wants_lse or needs_grad), returns_lse=bool(wants_lse))
 
     @property
     def capability(self) -> Optional[tuple[int, int]]:

@@ -14,7 +14,12 @@ each giving the same lse bit for bit (`check`):
   causal by the first NaN key's index: 8 launches, no matrix product.
 * ``triton``: two Triton launches (`backends/torch/nan_rows_triton.py`), lse marked in place; the
   backend runs this one on CUDA since run 5 (2026-12-02: 0.93-0.97x SDPA's step against 0.74-0.88x).
+* ``triton-keys``: the same kernels marking only rows that see a NaN key (q not read), what the backend
+  runs since 2026-12-03 when the caller does not receive lse (`Problem.returns_lse`): a NaN q row's
+  scores, so its probabilities in the backward, are NaN whatever its lse.
 * ``none``: no fix-up (wrong; the floor the others are measured against).
+
+`check` runs every way with and without the q rows against the ops.
 """
 from __future__ import annotations
 
@@ -30,21 +35,23 @@ from attnx.backends.torch import cuda as torch_cuda
 from attnx.backends.torch.cuda import nan_rows_by_ops, uses_is_causal
 
 
-def by_isnan_any(p, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+def by_isnan_any(p, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, q_rows: bool = True) -> torch.Tensor:
     key_nan = torch.isnan(k).any(-1)                                          # (B, Hkv, Sk)
     if uses_is_causal(p):  # row i sees keys 0..i (Sq == Sk): NaN from the first NaN key on
         first = torch.where(key_nan, torch.arange(k.shape[2], device=k.device), k.shape[2]).amin(-1)
         seen = torch.arange(q.shape[2], device=q.device) >= first[..., None, None]  # (B, Hkv, 1, Sq)
     else:
         seen = key_nan.any(-1)[..., None, None]                                    # (B, Hkv, 1, 1)
-    rows = torch.isnan(q).any(-1).unflatten(1, (k.shape[1], -1))                   # (B, Hkv, G, Sq)
+    shape = (q.shape[0], k.shape[1], q.shape[1] // k.shape[1], q.shape[2])
+    rows = torch.isnan(q).any(-1).unflatten(1, shape[1:3]) if q_rows else torch.zeros(shape, dtype=torch.bool,
+                                                                                       device=q.device)
     return lse.masked_fill((rows | seen).flatten(1, 2), float("nan"))
 
 
-def by_triton(p, q, k, lse):
+def by_triton(p, q, k, lse, q_rows: bool = True):
     from attnx.backends.torch.nan_rows_triton import mark_nan_rows
 
-    return mark_nan_rows(uses_is_causal(p), q, k, lse.contiguous())
+    return mark_nan_rows(uses_is_causal(p), q, k, lse.contiguous(), q_rows)
 
 
 WAYS = {"ops": nan_rows_by_ops, "isnan-any": by_isnan_any, "triton": by_triton}
@@ -75,14 +82,16 @@ def check(device: str) -> bool:
             v = torch.empty_like(k)
             p = attnx.make_problem(q, k, v, causal=causal)
             lse = torch.randn(2, hq, s, generator=gen).to(device)
-            want = nan_rows_by_ops(p, q, k, lse.clone())
-            for name, way in WAYS.items():
-                got = way(p, q, k, lse.clone())
-                same = torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(
-                    torch.nan_to_num(got, nan=0.0), torch.nan_to_num(want, nan=0.0))
-                if not same:
-                    ok = False
-                    print(f"DIFFERS {name}: causal={causal} Hq={hq} Hkv={hkv} S={s} D={d} {dtype}")
+            for q_rows in (True, False):
+                want = nan_rows_by_ops(p, q, k, lse.clone(), q_rows)
+                for name, way in WAYS.items():
+                    got = way(p, q, k, lse.clone(), q_rows)
+                    same = torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(
+                        torch.nan_to_num(got, nan=0.0), torch.nan_to_num(want, nan=0.0))
+                    if not same:
+                        ok = False
+                        print(f"DIFFERS {name}: causal={causal} Hq={hq} Hkv={hkv} S={s} D={d} {dtype} "
+                              f"q_rows={q_rows}")
     print("every way gives the ops' lse" if ok else "some way differs")
     return ok
 
@@ -123,7 +132,9 @@ def time_ways(steps: int) -> None:
         base, base_host = _step_ms(sdpa, steps)
         print(f"{head_dim:>4} {causal!s:>6} {'SDPA':>10} {base:8.3f} {base_host:8.3f} {1.0:7.2f}")
         original = torch_cuda.nan_rows_to_lse
-        for name, way in {**WAYS, "none": lambda p, q_, k_, lse: lse}.items():
+        ways = {**WAYS, "triton-keys": lambda p, q_, k_, lse: by_triton(p, q_, k_, lse, q_rows=False),
+                "none": lambda p, q_, k_, lse: lse}
+        for name, way in ways.items():
             torch_cuda.nan_rows_to_lse = way
             try:
                 ms, host = _step_ms(lambda: attnx.attention(q, k, v, causal=causal).backward(dout), steps)

@@ -186,12 +186,32 @@ def test_cuda_path_marks_nan_rows_of_lse_as_the_formula_does(causal, heads_kv):
     assert torch.isnan(got).any() and not torch.isnan(got).all()
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_lse_kept_only_for_the_backward_marks_rows_that_see_a_nan_key(causal):
+    """Without return_lse (a training call) only rows that see a NaN key are marked: a NaN q row's scores
+    are NaN in the backward whatever its lse, so q is not read (`Problem.returns_lse`)."""
+    from attnx.backends.torch.cuda import nan_rows_to_lse
+
+    q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
+    p = attnx.explain(q, k, v, causal=causal).problem
+    assert p.wants_lse and not p.returns_lse
+    assert attnx.explain(q, k, v, causal=causal, return_lse=True).problem.returns_lse
+    q, k = q.detach().clone(), k.detach().clone()
+    k[1, 0, 5, 3] = float("nan")
+    q[0, 2, 7, 1] = float("nan")
+    got = torch.isnan(nan_rows_to_lse(p, q, k, torch.randn(2, 4, 16)))
+    want = torch.zeros(2, 4, 16, dtype=torch.bool)
+    want[1, 0, 5 if causal else 0:] = True  # the rows of (1, 0) that see key 5; (0, 2, 7) is left finite
+    assert torch.equal(got, want)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's fused CUDA kernels")
 @pytest.mark.parametrize("causal", [False, True])
 def test_cuda_training_keeps_nan_rows_as_the_formula_does(causal):
     """A training call without return_lse still needs `nan_rows_to_lse`: a row that sees a NaN key must
     have a NaN lse for the backward too, or P stays finite off that key and dv misses the NaN (H200,
-    2026-12-02, with the fix-up skipped: dv wrong without causal, dk with it). out and dq must be NaN
+    2026-12-02, with the fix-up skipped: dv wrong without causal, dk with it). Its NaN q row is left to
+    the scores (keys-only marking since 2026-12-03): the gradients must still be the formula's. out and dq must be NaN
     exactly where the float64 formula's are; dk and dv at least at every key a NaN row can see, and
     nowhere the formula is finite (keys such a row cannot see are not defined: docs/semantics.md)."""
     torch.manual_seed(0)
@@ -338,12 +358,12 @@ def test_nan_row_kernels_compile_for_nvidia_targets(arch):
             compiled = triton.compile(ASTSource(kernels._first_nan_key, first,
                                                 {"BLOCK_N": kernels.BLOCK_N, "BLOCK_D": block_d}), target=target)
             assert compiled.asm.get("cubin")
-            for causal in (False, True):
+            for causal, q_rows in ((False, True), (True, True), (False, False), (True, False)):
                 mark = {"q_ptr": f"*{dtype}", "first_ptr": "*i32", "lse_ptr": "*fp32", "heads_q": "i32",
                         "heads_kv": "i32", "seqlen_q": "i32", "seqlen_k": "i32", "head_dim": "i32", "chunks": "i32",
                         **strides, "CAUSAL": "constexpr", "BLOCK_M": "constexpr", "BLOCK_D": "constexpr",
-                        "CHUNKS": "constexpr"}
+                        "CHUNKS": "constexpr", "Q_ROWS": "constexpr"}
                 constants = {"CAUSAL": causal, "BLOCK_M": kernels.BLOCK_M, "BLOCK_D": block_d,
-                             "CHUNKS": kernels.MAX_CHUNKS}
+                             "CHUNKS": kernels.MAX_CHUNKS, "Q_ROWS": q_rows}
                 compiled = triton.compile(ASTSource(kernels._mark_lse, mark, constants), target=target)
                 assert compiled.asm.get("cubin")

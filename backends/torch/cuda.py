@@ -136,7 +136,9 @@ def _in_caller_layout(p: Problem, out: torch.Tensor) -> bool:
 
 
 def nan_rows_to_lse(p: Problem, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """`lse` with NaN in every row that sees a NaN in its q row or in a visible key.
+    """`lse` with NaN in every row that sees a NaN in its q row or in a visible key (only the latter when
+    the caller does not receive lse, `Problem.returns_lse`: the backward's P row of a NaN q row is NaN
+    from its scores, whatever its lse, so a training step reads k alone).
 
     The fused kernels leave such rows' lse finite (H200, 2026-12-01, flash; their out is NaN, as
     the contract says) where the contract's lse is NaN, and the backward needs it NaN. The keys a row
@@ -144,12 +146,13 @@ def nan_rows_to_lse(p: Problem, q: torch.Tensor, k: torch.Tensor, lse: torch.Ten
     declares). On CUDA with Triton installed: two Triton launches (`nan_rows_triton`, measured
     cheaper); otherwise `nan_rows_by_ops`. Either way on the device, with no host synchronisation.
     """
+    q_rows = p.returns_lse  # kept only for the backward: a NaN q row's probabilities are NaN anyway
     marker = _triton_marker() if lse.is_cuda else None
     if marker is None:
-        return nan_rows_by_ops(p, q, k, lse)
+        return nan_rows_by_ops(p, q, k, lse, q_rows)
     lse = lse.contiguous()
     with torch.cuda.device(lse.device):  # Triton launches on the current device
-        return marker(uses_is_causal(p), q, k, lse)
+        return marker(uses_is_causal(p), q, k, lse, q_rows)
 
 
 @functools.cache
@@ -162,8 +165,10 @@ def _triton_marker():
     return mark_nan_rows
 
 
-def nan_rows_by_ops(p: Problem, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """`nan_rows_to_lse` in torch ops (any device): a running "any" over the keys a row sees."""
+def nan_rows_by_ops(p: Problem, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor,
+                    q_rows: bool = True) -> torch.Tensor:
+    """`nan_rows_to_lse` in torch ops (any device): a running "any" over the keys a row sees (and the q
+    rows' own NaN with `q_rows`)."""
     key_nan = _rows_with_nan(k)                                              # (B, Hkv, Sk)
     if p.group_size > 1:
         key_nan = key_nan.repeat_interleave(p.group_size, dim=1)
@@ -171,7 +176,7 @@ def nan_rows_by_ops(p: Problem, q: torch.Tensor, k: torch.Tensor, lse: torch.Ten
         seen = key_nan.cumsum(-1).bool()                                      # keys 0..i, Sq == Sk
     else:
         seen = key_nan.any(-1, keepdim=True)
-    return lse.masked_fill(_rows_with_nan(q) | seen, float("nan"))
+    return lse.masked_fill(_rows_with_nan(q) | seen if q_rows else seen, float("nan"))
 
 
 def _rows_with_nan(t: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,8 @@ fix-up at all (benchmarks/nan_fixup.py).
 2. `_mark_lse`: per (batch, q head) and block of rows, whether the q row holds a NaN, then the first
    NaN key of its kv head (min over the chunks): seen under causal when it is <= the row (Sq == Sk,
    the only causal problems this path takes), else when there is one at all; lse is written NaN in
-   place where either holds.
+   place where either holds. `Q_ROWS=False` (lse kept only for the backward) skips the q rows: a NaN
+   q row makes its own scores and probabilities NaN whatever its lse, so only keys need marking.
 """
 from __future__ import annotations
 
@@ -51,19 +52,23 @@ def _first_nan_key(k_ptr, first_ptr, heads_kv, seqlen_k, head_dim, chunk, chunks
 @triton.jit
 def _mark_lse(q_ptr, first_ptr, lse_ptr, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, chunks,
               stride_b, stride_h, stride_s, stride_d,
-              CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, CHUNKS: tl.constexpr):
+              CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, CHUNKS: tl.constexpr,
+              Q_ROWS: tl.constexpr = True):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // heads_q
     h = bh % heads_q
     group = heads_q // heads_kv
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_D)
-    base = q_ptr + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
-    inside = (rows[:, None] < seqlen_q) & (cols[None, :] < head_dim)
-    x = tl.load(base + rows[:, None].to(tl.int64) * stride_s + cols[None, :] * stride_d, mask=inside, other=0.0)
-    x = x.to(tl.float32)
-    q_bad = tl.max((x != x).to(tl.int32), axis=1) > 0
+    if Q_ROWS:
+        cols = tl.arange(0, BLOCK_D)
+        base = q_ptr + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+        inside = (rows[:, None] < seqlen_q) & (cols[None, :] < head_dim)
+        x = tl.load(base + rows[:, None].to(tl.int64) * stride_s + cols[None, :] * stride_d, mask=inside, other=0.0)
+        x = x.to(tl.float32)
+        q_bad = tl.max((x != x).to(tl.int32), axis=1) > 0
+    else:
+        q_bad = rows < 0
     part = tl.arange(0, CHUNKS)
     firsts = tl.load(first_ptr + (b * heads_kv + h // group) * chunks + part, mask=part < chunks, other=seqlen_k)
     first = tl.min(firsts, axis=0)
@@ -76,9 +81,11 @@ def _mark_lse(q_ptr, first_ptr, lse_ptr, heads_q, heads_kv, seqlen_q, seqlen_k, 
 
 
 @cache_fallback.survives_cache_errors
-def mark_nan_rows(causal: bool, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+def mark_nan_rows(causal: bool, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor,
+                  q_rows: bool = True) -> torch.Tensor:
     """`lse` (float32, contiguous (B, Hq, Sq)) with NaN, in place, in every row whose q row holds a NaN or
-    that sees a key holding one (all keys; keys 0..i under causal with Sq == Sk). q, k: (B, H, S, D)."""
+    that sees a key holding one (all keys; keys 0..i under causal with Sq == Sk). q, k: (B, H, S, D).
+    `q_rows=False` marks only the rows that see a NaN key (q is not read: half the bytes without GQA)."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
     if lse.numel() == 0:
@@ -91,5 +98,6 @@ def mark_nan_rows(causal: bool, q: torch.Tensor, k: torch.Tensor, lse: torch.Ten
                                                BLOCK_N=BLOCK_N, BLOCK_D=block_d)
     grid = (triton.cdiv(seqlen_q, BLOCK_M), batch * heads_q)
     _mark_lse[grid](q, first, lse, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, chunks, *q.stride(),
-                    CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_D=block_d, CHUNKS=triton.next_power_of_2(chunks))
+                    CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_D=block_d, CHUNKS=triton.next_power_of_2(chunks),
+                    Q_ROWS=q_rows)
     return lse
