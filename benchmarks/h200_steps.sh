@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call running named steps in order under one deadline (a call may last 10 minutes).
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
-# Steps: tests gpu-tests conformance-cuda paper hopper-check hopper-time det-check det-time sanitize
+# Steps: tests gpu-tests conformance-cuda conformance-torch conformance-triton paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
 #        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-sweep-paged decode-sanitize serving-flex decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait replay recheck nan-fixup
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
@@ -65,6 +65,10 @@ for step in "$@"; do
     gpu-tests) run_step gpu-tests 170 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_cuda_gpu.py ;;
     conformance-cuda) run_step conformance-cuda 170 python3 -m attnx.conformance --backend cuda --profile full \
                --device cuda -q --report "$out/cuda-h200-$(date -u +%F)" ;;
+    conformance-torch) run_step conformance-torch 150 python3 -m attnx.conformance --backend torch --profile full \
+               --device cuda -q --report "$out/torch-h200-$(date -u +%F)" ;;
+    conformance-triton) run_step conformance-triton 240 python3 -m attnx.conformance --backend triton --profile full \
+               --device cuda -q --report "$out/triton-h200-$(date -u +%F)" ;;
     paper) run_step paper 230 python3 -m benchmarks.paper --backend cuda,triton,torch --head-dims 128,64 \
                --sdpa flash,cudnn --flex-seqlens 4096,16384 --seqlens 1024,4096,16384 --max-seconds 190 \
                --out "$out/paper" ;;
