@@ -94,7 +94,9 @@ def check_swizzle(bn: int, hd: int) -> None:
 def emulate(plan):
     """(out_k, lse) as fa_decode.cu computes them from `plan` (launch_decode.prepare): the same blocks,
     rows, splits, warp key blocks, clamped lengths and page entries, per-warp softmax, warp merge and
-    combine, in float32. Reads memory only through the record's pointers, strides and sizes."""
+    combine, in float32. Reads memory only through the record's pointers, strides and sizes. PAGE_BATCH
+    (`Variant.page_batch`) changes when a block's entry is loaded, not which: block bi of a warp's `nt`
+    reads the entry of its first key, as here, and no entry past the warp's blocks is loaded."""
     check_copy_map(plan.variant)
     r = {name: plan.args[name].item() for name in plan.args.dtype.names}
     by_ptr = {t.data_ptr(): t for t in plan.keep}

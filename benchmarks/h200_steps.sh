@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda conformance-torch conformance-triton paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-sweep-paged decode-sanitize serving-flex decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait replay recheck nan-fixup
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-sweep-paged decode-sanitize decode-sanitize-quick serving-flex decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait replay recheck nan-fixup
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -223,6 +223,11 @@ for step in "$@"; do
     # the serving tables with FlexAttention beside them (dense decode; packed tokens under a document mask)
     serving-flex) run_step decode-flex-time 240 python3 -m benchmarks.cuda_decode time
             run_step varlen-flex-time 330 python3 -m benchmarks.cuda_varlen time --hopper --dims 128 ;;
+    # memcheck and synccheck only (racecheck takes ~110 s): garbage tables and lengths, mixed page sizes
+    decode-sanitize-quick) run_step decode-memcheck 120 compute-sanitizer --tool memcheck --report-api-errors no \
+                python3 -m benchmarks.cuda_decode check --only "bad index"
+            run_step decode-synccheck 120 compute-sanitizer --tool synccheck --report-api-errors no \
+                python3 -m benchmarks.cuda_decode check --only mixed ;;
     decode-cuda) run_step decode-cuda-check 150 python3 -m benchmarks.cuda_decode check
             [ -n "${passed[decode-cuda-check]:-}" ] && run_step decode-cuda-time 200 python3 -m benchmarks.cuda_decode time ;;
     *) echo "$step: unknown step" >> "$out/summary.txt" ;;

@@ -191,6 +191,8 @@ def test_decode_compiles_without_spills_for_sm_90a():
     # d128: 2 and 3 stages per format, every ring swizzled (DECODE_KV_SWIZZLE)
     assert [(v.head_dim, v.stages, v.kv_swizzle) for v in found] == [
         (128, 2, True), (128, 3, True), (128, 2, True), (128, 3, True), (256, 2, True), (256, 2, True)]
+    # paged pools take their page entries 32 blocks ahead (PAGE_BATCH); caches have no table
+    assert [v.page_batch for v in found] == [False, False, True, True, False, True]
     for v in found:
         ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
                                                    (*nvrtc_options(v, "sm_90a"), "-Xptxas=-v"))
@@ -231,8 +233,10 @@ def test_sweep_candidates_fit_and_start_with_the_default():
     found = cuda_decode.tile_candidates(128)
     assert [cuda_decode.tile_label(v) for v in found] == D128_CANDIDATES
     default = variants.decode_variant(families.HOPPER, True, 128, False, variants.max_shared((9, 0)))
-    assert found[0] == default._replace(exact_alpha=False, kv_swizzle=False)  # (+swz twins: --tile all+swz)
-    assert cuda_decode.tile_candidates(128, exact_alpha=True)[1] == default._replace(kv_swizzle=False)
+    # (+swz twins: --tile all+swz; the page batch follows the launcher's variant for the call: `tile_variant`)
+    assert found[0] == default._replace(exact_alpha=False, kv_swizzle=False, page_batch=False)
+    assert cuda_decode.tile_candidates(128, exact_alpha=True)[1] == default._replace(kv_swizzle=False,
+                                                                                      page_batch=False)
     assert all(v.kernel == "decode" and v.shared_bytes() <= 232448 and v.block_m == 16 for v in found)
     assert [cuda_decode.tile_label(v) for v in cuda_decode.tile_candidates(128, exact_alpha=True)][:2] == \
         ["n16w4s2", "n16w4s2+ea"]

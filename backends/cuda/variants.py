@@ -62,6 +62,8 @@ class Variant(NamedTuple):
                           # kernel argument): the Ampere forward (`varlen_forward_variant`), the Hopper one
                           # (`hopper_varlen_variant`, sm_90 with cuda-bindings) and the Ampere backward
                           # (`varlen_backward_variants`, both families); launch_varlen picks
+    page_batch: bool = False  # decode, paged pools: a warp's page entries loaded 32 blocks ahead into lanes
+                              # where a block lies inside one page (PAGE_BATCH, sm80/fa_decode.cu)
 
     @property
     def threads(self) -> int:
@@ -111,6 +113,8 @@ class Variant(NamedTuple):
                 d["L2_PREFETCH"] = self.l2_prefetch
             if self.kv_swizzle:
                 d["KV_SWIZZLE"] = 1
+            if self.page_batch:
+                d["PAGE_BATCH"] = 1
         if self.hopper_forward:
             d.update(OVERLAP=int(self.overlap), PINGPONG=int(self.pingpong))
             del d["BLOCK_M"], d["NUM_WARPS"]  # fixed by the kernel's warpgroup roles
@@ -162,6 +166,7 @@ class Variant(NamedTuple):
         stages += ("+overlap" if self.overlap else "") + ("+pingpong" if self.pingpong else "")
         stages += "+exactalpha" if self.exact_alpha else ""
         stages += "+swizzle" if self.kv_swizzle else ""
+        stages += "+pagebatch" if self.page_batch else ""
         stages += "+varlen" if self.varlen else ""
         tile = f"d{self.head_dim} {self.block_m}x{self.block_n} w{self.warps}{stages}"
         return f"{self.family} {self.kernel} {tile} {flags}"
@@ -231,6 +236,9 @@ DECODE_L2_PREFETCH = 128  # the decode kernel's cp.async L2 prefetch hint (bytes
 # of 2026-12-03 (entries clamped a block later, one per block inside a page) swizzled is 0-5 % faster at
 # B = 64 with 3 stages too and never more than 1 % slower (run9/call1). Ampere-class GPUs unmeasured.
 DECODE_KV_SWIZZLE = {"dense": (2, 3, 4), "cache": (2, 3, 4), "paged": (2, 3, 4)}
+# Paged pools: page entries loaded 32 blocks ahead (PAGE_BATCH) where a page holds whole key blocks. Written
+# 2026-12-03 for B = 1, where a block's lookup a block ahead was exposed (paged 16 at 0.90x the cache at 4k).
+DECODE_PAGE_BATCH = True
 COMBINE_WARPS = 4  # decode_combine: one block of 4 warps per row (fa_decode.cu COMBINE_WARPS)
 # head-dim tiles of each family's kernels ("bwd", the Ampere backward, runs on sm_90 for head dims
 # above 128 and in the deterministic mode, which uses its tiles for dK/dV and for the dQ pass)
@@ -385,7 +393,8 @@ def decode_variants(family: Family, bf16: bool, tile: int, score_mod: bool, max_
     for t in DECODE_TILES.get(tile, ()):
         v = Variant(family.name, "decode", bf16, tile, t.block_m, t.block_n, t.warps, score_mod, stages=t.stages,
                     exact_alpha=True, l2_prefetch=DECODE_L2_PREFETCH,
-                    kv_swizzle=t.stages in DECODE_KV_SWIZZLE[kv_format])
+                    kv_swizzle=t.stages in DECODE_KV_SWIZZLE[kv_format],
+                    page_batch=DECODE_PAGE_BATCH and kv_format == "paged")
         if v.shared_bytes() <= max_shared:
             found.append(v)
             if tile not in DECODE_TILES_BY_WAVE:
@@ -420,7 +429,7 @@ def decode_sweep_variants(tile: int, *, family: str = "sm90", bf16: bool = True,
     shared = max_shared if max_shared is not None else max(SHARED_PER_BLOCK[c] for c in covered_capabilities(fam))
     # compared without EXACT_ALPHA and padded, then all given `exact_alpha` (the sweep times each one's +ea and
     # +swz twins itself)
-    found = [v._replace(exact_alpha=False, kv_swizzle=False)
+    found = [v._replace(exact_alpha=False, kv_swizzle=False, page_batch=False)
              for v in decode_variants(fam, bf16, tile, score_mod, shared)]
     for bn in DECODE_SWEEP_BLOCK_N:
         for w in DECODE_SWEEP_WARPS:

@@ -18,6 +18,8 @@
 // warp block: 16, 32 or 64), NUM_WARPS, SCORE_MOD (softcap/ALiBi/scale <= 0), KV_STAGES (2..4),
 // EXACT_ALPHA (common/softmax.cuh: the rescale factor from the rounded product, default 0);
 // KV_SWIZZLE (default 0): K/V rows unpadded with their 16-byte chunks XOR-swizzled (`kv_chunk`);
+// PAGE_BATCH (default 0): where a block lies inside one page, lane j holds the table entry of the warp's
+// block 32 c + j (and of the next 32 blocks), loaded 32 blocks ahead, so no copy waits on a table load;
 // DECODE_COMBINE=1 builds only the combine kernel (its own specialisation: IS_BF16).
 #include "common/mask.cuh"
 #include "common/score_mod.cuh"
@@ -68,6 +70,9 @@ DEVI int sequence_keys(const DecodeParams& p, int b) {
 #if !defined(DECODE_COMBINE) || !DECODE_COMBINE
 #ifndef KV_SWIZZLE
 #define KV_SWIZZLE 0
+#endif
+#ifndef PAGE_BATCH
+#define PAGE_BATCH 0
 #endif
 
 // Elements per K/V row in a ring stage, and the byte offset of 16-byte chunk cc of row r. Padded rows
@@ -167,6 +172,39 @@ DEVI void lookup_page(const DecodeParams& p, int b, int n0, int Sk, int lane, in
   if constexpr (BN > 32) lookup_key(p, b, n0 + 32 + lane, Sk, pg2, pr2);
 }
 
+// PAGE_BATCH, blocks inside one page: the raw entries of a warp's blocks, 32 to a register (lane j holds
+// block 32 c + j's). One block's latency hid a lookup behind too little math when a block had no other
+// warps to switch to (B = 1 on the H200: paged 16 at 0.90x the cache at 4k keys); these are loaded 32
+// blocks before their use. Blocks are taken in order, each once.
+struct PageBatch {
+  int cur = 0, next = 0;  // entries of batches c and c + 1
+
+  // the raw entry of block bi (0 past the warp's nt blocks: never used) of a warp whose blocks start at
+  // key (first + bi * NW) * BN
+  template <int BN, int NW>
+  DEVI static int entry(const DecodeParams& p, int b, int first, int bi, int nt) {
+    if (bi >= nt) return 0;
+    const int n0 = (first + bi * NW) * BN;  // < Sk <= capacity: the index is < max_pages
+    return p.page_table[b * p.pt_bs + (p.page_shift >= 0 ? n0 >> p.page_shift : n0 / p.page_size)];
+  }
+  template <int BN, int NW>
+  DEVI void start(const DecodeParams& p, int b, int first, int nt, int lane) {
+    cur = entry<BN, NW>(p, b, first, lane, nt);
+    next = entry<BN, NW>(p, b, first, 32 + lane, nt);
+  }
+  // block bi's entry and its first key's row in the page (warp-uniform bi: every lane takes part)
+  template <int BN, int NW>
+  DEVI void take(const DecodeParams& p, int b, int first, int bi, int nt, int lane, int* pg, int* pr) {
+    if ((bi & 31) == 0 && bi > 0) {
+      cur = next;
+      next = entry<BN, NW>(p, b, first, bi + 32 + lane, nt);
+    }
+    *pg = __shfl_sync(0xffffffffu, cur, bi & 31);
+    const int n0 = (first + bi * NW) * BN;
+    *pr = n0 - (p.page_shift >= 0 ? n0 >> p.page_shift : n0 / p.page_size) * p.page_size;
+  }
+};
+
 template <bool BF16, int HD, int BN, int NW, bool MOD, int STAGES>
 DEVI void decode_forward(const DecodeParams& p) {
   constexpr int THREADS = NW * 32;
@@ -231,18 +269,25 @@ DEVI void decode_forward(const DecodeParams& p) {
   const u16* vbase = (const u16*)p.v + hk * p.v_hs + (paged ? 0 : b * p.v_bs);
   int pg = 0, pr = 0;  // paged: the pool page/row of key `lane` of the next block to issue
   int pg2 = 0, pr2 = 0;  // ... and of key 32 + `lane` (64-key blocks)
+  // PAGE_BATCH: entries from registers loaded 32 blocks ahead (`PageBatch`), else a block ahead
+  const bool batched = PAGE_BATCH && paged && block_in_page<BN>(p);
+  PageBatch pages;
+  if (batched) pages.start<BN, NW>(p, b, my_first, nt, lane);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < nt) {
       const int n0 = (my_first + s * NW) * BN;
-      if (paged) lookup_page<BN>(p, b, n0, Sk, lane, &pg, &pr, &pg2, &pr2);
+      if (batched)
+        pages.take<BN, NW>(p, b, my_first, s, nt, lane, &pg, &pr);
+      else if (paged)
+        lookup_page<BN>(p, b, n0, Sk, lane, &pg, &pr, &pg2, &pr2);
       load_kv<HD, BN>(ring + s * STAGE_BYTES, ring + s * STAGE_BYTES + V_BYTES, p, kbase, vbase, n0, Sk, pg, pr,
                       pg2, pr2, lane);
     }
     cp_commit();
   }
   // the table entries of the first block the loop issues, read a block ahead from here on
-  if (paged && STAGES - 1 < nt)
+  if (paged && !batched && STAGES - 1 < nt)
     lookup_page<BN>(p, b, (my_first + (STAGES - 1) * NW) * BN, Sk, lane, &pg, &pr, &pg2, &pr2);
 
   // this thread's two rows (g, g + 8): query index, head; padded rows copy row i_lo's visibility
@@ -291,11 +336,12 @@ DEVI void decode_forward(const DecodeParams& p) {
       const int tn = t + STAGES - 1;
       if (tn < nt) {
         const u32 st = ring + (tn % STAGES) * STAGE_BYTES;
+        if (batched) pages.take<BN, NW>(p, b, my_first, tn, nt, lane, &pg, &pr);
         load_kv<HD, BN>(st, st + V_BYTES, p, kbase, vbase, (my_first + tn * NW) * BN, Sk, pg, pr, pg2, pr2, lane);
       }
       cp_commit();
       // the next block's table entries: their latency hides behind this block's math
-      if (paged && tn + 1 < nt)
+      if (paged && !batched && tn + 1 < nt)
         lookup_page<BN>(p, b, (my_first + (tn + 1) * NW) * BN, Sk, lane, &pg, &pr, &pg2, &pr2);
     }
     const u32 sK_a = ring + (t % STAGES) * STAGE_BYTES, sV_a = sK_a + V_BYTES;
