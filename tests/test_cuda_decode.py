@@ -181,6 +181,15 @@ def test_splits_keep_the_grid_in_one_launch():
     assert plan.grid == 16 and plan.splits == 2
 
 
+def test_page_batch_is_for_paged_pools_only(monkeypatch):
+    monkeypatch.setattr(variants, "DECODE_PAGE_BATCH", True)
+    shared = variants.max_shared((9, 0))
+    for kv_format, want in (("paged", True), ("cache", False), ("dense", False)):
+        found = variants.decode_variants(families.HOPPER, True, 128, False, shared, kv_format)
+        assert found and all(v.page_batch is want for v in found)
+        assert all(("-DPAGE_BATCH=1" in v.defines()) is want for v in found)
+
+
 def test_decode_compiles_without_spills_for_sm_90a():
     reason = _nvrtc()
     if reason:
@@ -191,8 +200,9 @@ def test_decode_compiles_without_spills_for_sm_90a():
     # d128: 2 and 3 stages per format, every ring swizzled (DECODE_KV_SWIZZLE)
     assert [(v.head_dim, v.stages, v.kv_swizzle) for v in found] == [
         (128, 2, True), (128, 3, True), (128, 2, True), (128, 3, True), (256, 2, True), (256, 2, True)]
-    # paged pools take their page entries 32 blocks ahead (PAGE_BATCH); caches have no table
-    assert [v.page_batch for v in found] == [False, False, True, True, False, True]
+    # PAGE_BATCH (page entries 32 blocks ahead) is opt-in: compiled here beside the table's paged variants
+    assert not any(v.page_batch for v in found)
+    found += [v._replace(page_batch=True) for v in found[2:4] + found[5:]]
     for v in found:
         ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
                                                    (*nvrtc_options(v, "sm_90a"), "-Xptxas=-v"))

@@ -237,8 +237,10 @@ DECODE_L2_PREFETCH = 128  # the decode kernel's cp.async L2 prefetch hint (bytes
 # B = 64 with 3 stages too and never more than 1 % slower (run9/call1). Ampere-class GPUs unmeasured.
 DECODE_KV_SWIZZLE = {"dense": (2, 3, 4), "cache": (2, 3, 4), "paged": (2, 3, 4)}
 # Paged pools: page entries loaded 32 blocks ahead (PAGE_BATCH) where a page holds whole key blocks. Written
-# 2026-12-03 for B = 1, where a block's lookup a block ahead was exposed (paged 16 at 0.90x the cache at 4k).
-DECODE_PAGE_BATCH = True
+# 2026-12-03 for B = 1, where a block's lookup a block ahead looked exposed (paged 16 at 0.90x the cache at
+# 4k). Correct on the H200 (126/126, memcheck and synccheck clean, conformance 190/190) but not measurably
+# faster (paged 16 / cache 0.90 -> 0.91 at B = 1, 4k; every other row within 1 %: run9/call4), so opt-in.
+DECODE_PAGE_BATCH = False
 COMBINE_WARPS = 4  # decode_combine: one block of 4 warps per row (fa_decode.cu COMBINE_WARPS)
 # head-dim tiles of each family's kernels ("bwd", the Ampere backward, runs on sm_90 for head dims
 # above 128 and in the deterministic mode, which uses its tiles for dK/dV and for the dQ pass)
