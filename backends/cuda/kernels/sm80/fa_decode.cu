@@ -173,9 +173,9 @@ DEVI void lookup_page(const DecodeParams& p, int b, int n0, int Sk, int lane, in
 }
 
 // PAGE_BATCH, blocks inside one page: the raw entries of a warp's blocks, 32 to a register (lane j holds
-// block 32 c + j's). One block's latency hid a lookup behind too little math when a block had no other
-// warps to switch to (B = 1 on the H200: paged 16 at 0.90x the cache at 4k keys); these are loaded 32
-// blocks before their use. Blocks are taken in order, each once.
+// block 32 c + j's), loaded 32 blocks before their use; blocks are taken in order, each once. Written for
+// B = 1, where a lookup one block ahead looked exposed (paged 16 at 0.90x the cache at 4k keys on the
+// H200); measured there not faster (0.91x), so opt-in (variants.DECODE_PAGE_BATCH).
 struct PageBatch {
   int cur = 0, next = 0;  // entries of batches c and c + 1
 
