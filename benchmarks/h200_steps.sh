@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda conformance-torch conformance-triton paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-sweep-paged decode-sanitize decode-sanitize-quick serving-flex decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait replay recheck nan-fixup
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-sweep-paged decode-sanitize decode-sanitize-quick serving-flex decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait dqkeys replay recheck nan-fixup
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -86,6 +86,15 @@ for step in "$@"; do
     splitwait) run_step splitwait-check 200 python3 -m benchmarks.hopper_backward check --configs splitwait
             [ -n "${passed[splitwait-check]:-}" ] && run_step splitwait-time 150 python3 -m benchmarks.hopper_backward \
                 time --configs table,splitwait --seqlens 4096,16384 ;;
+    # the Hopper backward's opt-in DQ_KEYS (written 2026-12-03): dQ split by keys at d128 (64 columns a pass),
+    # no per-step barrier between the consumers; checked, then timed beside the table; then racecheck and
+    # synccheck on small cases (the consumers' new barrier)
+    dqkeys) run_step dqkeys-check 220 python3 -m benchmarks.hopper_backward check --configs dqkeys
+            [ -n "${passed[dqkeys-check]:-}" ] && run_step dqkeys-time 150 python3 -m benchmarks.hopper_backward \
+                time --configs table,dqkeys --seqlens 4096,16384
+            [ -n "${passed[dqkeys-check]:-}" ] && for tool in racecheck synccheck; do run_step dqkeys-$tool 120 \
+                compute-sanitizer --tool $tool --report-api-errors no python3 -m benchmarks.hopper_backward check \
+                --configs dqkeys --max-scores 20000; done ;;
     # the Hopper backward's opt-in ordered dQ (deterministic): 148 cases x 3 runs, same bits; then its cost
     ordered) run_step ordered-check 200 python3 -m benchmarks.hopper_backward check --configs ordered
             [ -n "${passed[ordered-check]:-}" ] && run_step ordered-time 150 python3 -m benchmarks.hopper_backward time \

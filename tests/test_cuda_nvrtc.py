@@ -173,6 +173,27 @@ def test_hopper_backward_split_wait_knob_compiles_without_spills():
         assert " 0 bytes spill stores" in log and "C7510" not in log and "C7519" not in log and "C7520" not in log, log
 
 
+def test_hopper_backward_dq_keys_knob_compiles_without_spills():
+    """DQ_KEYS (dQ split by keys at d128 in 64-column passes, the consumers no longer joined every step),
+    the opt-in benchmarks/hopper_backward.py checks and times beside the table: every table tile builds
+    for sm_90a with no local memory and no wgmma serialisation (one 64 x 128 dQ accumulator made ptxas
+    serialise, C7512); the table's builds do not define it."""
+    reason = _nvrtc_available()
+    if reason:
+        pytest.skip(reason)
+    table = [v for v in variants.requestable(families.HOPPER, (9, 0))
+             if v.hopper_backward and v.bf16 and not v.dq_ordered]
+    assert table and not any("DQ_KEYS" in d for v in table for d in v.defines())
+    from attnx.backends.cuda.compile import kernel_source
+
+    for v in (t._replace(dq_keys=True) for t in table):
+        assert "-DDQ_KEYS=1" in v.defines() and "+dqkeys" in v.label()
+        ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
+                                                   (*cuda_compile.nvrtc_options(v, "sm_90a"), "-Xptxas=-v"))
+        assert ok and size > 0, log[:2000]
+        assert " 0 bytes spill stores" in log and all(c not in log for c in ("C7510", "C7512", "C7519", "C7520")), log
+
+
 def test_hopper_backward_dq_ordered_variants_compile():
     """The ordered dQ (turn counters per query block: bitwise-deterministic dq) that deterministic problems
     run: every table tile has its ordered twin among the requestable variants (so CI builds both), it builds

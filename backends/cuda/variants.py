@@ -51,6 +51,8 @@ class Variant(NamedTuple):
                               # counters): bitwise-deterministic dq (dispatched for deterministic problems)
     split_wait: bool = False  # Hopper bwd, no score mod: S^T and dP^T waited for one at a time, P^T computed
                               # while dP^T's GEMM runs (opt-in, not dispatched: correct, not faster, NOTES.md)
+    dq_keys: bool = False  # Hopper bwd, BM = 64: dQ split by keys at d128 too, no per-step barrier between the
+                           # consumers (DQ_KEYS; opt-in, written 2026-12-03, not yet run on a GPU)
     atomic_dq: bool = True  # bwd: the dK pass adds dQ with fp32 atomics (False: the deterministic backward's
                             # dK/dV kernel, whose dQ is the bwd_dq pass)
     exact_alpha: bool = False  # fwd (both families) and decode: the online softmax's rescale factor from the rounded
@@ -96,6 +98,8 @@ class Variant(NamedTuple):
             d["DQ_BULK"] = int(self.dq_bulk)
             d["DQ_ORDERED"] = int(self.dq_ordered)
             d["SPLIT_WAIT"] = int(self.split_wait)
+            if self.dq_keys:  # (only its builds define it: the table's defines stay as they were)
+                d["DQ_KEYS"] = 1
             d["SHARED_BYTES"] = self.shared_bytes()  # the kernel asserts its layout needs exactly this
         elif self.kernel == "bwd":
             d.update(DO_DV=int(self.do_dv), DO_DK=int(self.do_dk), DQ_ATOMIC=int(self.atomic_dq))
@@ -161,7 +165,8 @@ class Variant(NamedTuple):
             flags += "+dv" if self.do_dv else "+dk"
         flags += "" if self.atomic_dq else " no-dq"
         flags += (" wgmma" + ("+dqbulk" if self.dq_bulk else "") + ("+ordered" if self.dq_ordered else "")
-                  + ("+splitwait" if self.split_wait else "") if self.hopper_backward else "")
+                  + ("+splitwait" if self.split_wait else "") + ("+dqkeys" if self.dq_keys else "")
+                  if self.hopper_backward else "")
         stages = f" s{self.stages}" if self.kernel in ("fwd", "bwd_dq", "decode") else ""
         stages += ("+overlap" if self.overlap else "") + ("+pingpong" if self.pingpong else "")
         stages += "+exactalpha" if self.exact_alpha else ""

@@ -47,6 +47,13 @@
 #ifndef SPLIT_WAIT
 #define SPLIT_WAIT 0
 #endif
+// DQ_KEYS (opt-in, not dispatched; written 2026-12-03, not yet run): BM = 64 tiles split dQ by keys at
+// every head dim (d128 too: each consumer its own 64 keys x all 128 columns, twice the reductions), and
+// the consumers stop meeting at barrier 1 every step (each reads only its own dS^T rows), so one's
+// exponentials can run while the other's GEMMs do; the Q/dO ring still keeps them within a step.
+#ifndef DQ_KEYS
+#define DQ_KEYS 0
+#endif
 
 namespace sm90_bwd {
 
@@ -61,10 +68,11 @@ constexpr int FULL_ARRIVALS = 33;   // the producer's expect_tx arrival + its wa
 constexpr int PRODUCER_REGS = 24;
 constexpr int CONSUMER_REGS = 240;  // 128 x 24 + 256 x 240 <= 64K registers
 constexpr int STEP_BARRIER = 1;     // named barriers: 1 both consumers (256); 2, 3 one consumer's epilogue
+                                    // (and, with DQ_KEYS, 6, 7 one consumer's step: ALONE_BARRIER)
 constexpr int STORE_BARRIER = 2;
 // DQ_ORDERED: 4 both consumers (256) around one query block's turn; 5 (split by keys) consumer 0's
 // additions before consumer 1's. (An enum: namespace-scope constants here become symbols of the cubin.)
-enum : int { ORDER_BARRIER = 4, BATON_BARRIER = 5 };
+enum : int { ORDER_BARRIER = 4, BATON_BARRIER = 5, ALONE_BARRIER = 6 };
 
 // dQ = dS K split between the two consumers: BM = 128, by rows (each one 64-query dS^T panel,
 // N = HD); BM = 64, by columns where the head dim has two panels (each one 64-column K panel),
@@ -72,8 +80,11 @@ enum : int { ORDER_BARRIER = 4, BATON_BARRIER = 5 };
 template <int HD, int BM>
 struct DqSplit {
   enum { BY_ROWS, BY_COLUMNS, BY_KEYS };
-  static constexpr int HOW = BM == 128 ? BY_ROWS : HD >= 128 ? BY_COLUMNS : BY_KEYS;
-  static constexpr int N = HOW == BY_COLUMNS ? HD / 2 : HD;  // dQ columns per consumer
+  static constexpr int HOW = BM == 128 ? BY_ROWS : HD >= 128 && !DQ_KEYS ? BY_COLUMNS : BY_KEYS;
+  // dQ columns per consumer and GEMM; DQ_KEYS takes a wide head dim's in 64-column passes (a 64 x 128 fp32
+  // accumulator beside dK's and dV's made ptxas serialise the wgmmas, C7512)
+  static constexpr int N = HOW == BY_COLUMNS ? HD / 2 : HOW == BY_KEYS && DQ_KEYS ? 64 : HD;
+  enum { PASSES = HD / N / (HOW == BY_COLUMNS ? 2 : 1) };  // (an enum: no symbol in the cubin)
   static constexpr int KEYS = HOW == BY_KEYS ? 64 : BN;       // k extent of each consumer's GEMM
   static_assert(N % 64 == 0, "MN-major wgmma operands are whole 64-column panels");
   static_assert(BM == 64 || BM == 128, "a step is one or two dS^T panels");
@@ -391,10 +402,34 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
     issue_from_registers<BF16, HD, BM>(dk, da, q_tile);
     wgmma_commit();
 
-    // both consumers' dS^T in shared memory
+    // both consumers' dS^T in shared memory (DQ_KEYS, split by keys: this consumer's, which is all it reads)
     fence_async_shared();
-    named_sync(STEP_BARRIER, 256);
+    if constexpr (DQ_KEYS && Split::HOW == Split::BY_KEYS)
+      named_sync(ALONE_BARRIER + consumer, 128);
+    else
+      named_sync(STEP_BARRIER, 256);
 
+    if constexpr (Split::PASSES > 1) {  // DQ_KEYS at d128: this consumer's keys, 64 dQ columns at a time
+#pragma unroll
+      for (int pass = 0; pass < Split::PASSES; ++pass) {
+        float dq[DQ_N / 2];
+        wgmma_fence();
+        issue_dq<BF16, DQ_N, Split::KEYS>(dq, ds_tile + consumer * 64 * 128, k_rows + pass * L::KV_PANEL);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(dq);
+        if (pass == 0) {  // dV's and dK's GEMMs are done too: stage s is free
+          fence_regs(dk);
+          fence_regs(dv);
+          fence_regs(pa);
+          fence_regs(da);
+          mbar_arrive(L::empty(base, s));
+        }
+        float* dq_head = p.dq_accum + ((long long)w.b * p.heads_q + hq) * p.seqlen_q * p.dq_row;
+        red_dq<DQ_N>(dq, dq_head, p.dq_row, m0 + warp_in_group * 16 + g, pass * DQ_N + 2 * t4, vis.seqlen_q);
+      }
+      continue;
+    }
     float dq[DQ_N / 2];
     wgmma_fence();
     if constexpr (Split::HOW == Split::BY_ROWS)
@@ -534,6 +569,7 @@ extern "C" __global__ void __launch_bounds__(sm90_bwd::THREADS, 1)
   static_assert(sm90_bwd::Layout<HEAD_DIM, BLOCK_M, DQ_BULK != 0>::BYTES + 1024 == SHARED_BYTES,
                 "variants.py's shared_bytes() disagrees with the kernel's layout");
   static_assert(!(DQ_ORDERED && DQ_BULK), "ordered dQ is written for the consumers' red path only");
+  static_assert(!(DQ_KEYS && (DQ_ORDERED || DQ_BULK)), "DQ_KEYS is written for the plain red path only");
 #if !DQ_ORDERED
   int* const dq_sem = nullptr;
 #endif
