@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda conformance-torch conformance-triton paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-sweep-paged decode-sanitize decode-sanitize-quick serving-flex decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait dqkeys replay recheck nan-fixup
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-sweep-paged decode-sanitize decode-sanitize-quick serving-flex decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait dqkeys dqlate replay recheck nan-fixup
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -95,6 +95,13 @@ for step in "$@"; do
             [ -n "${passed[dqkeys-check]:-}" ] && for tool in racecheck synccheck; do run_step dqkeys-$tool 120 \
                 compute-sanitizer --tool $tool --report-api-errors no python3 -m benchmarks.hopper_backward check \
                 --configs dqkeys --max-scores 20000; done ;;
+    # the Hopper backward's opt-in DQ_LATE (a step's dQ added in the next step): 148 cases, timing, sanitizers
+    dqlate) run_step dqlate-check 220 python3 -m benchmarks.hopper_backward check --configs dqlate
+            [ -n "${passed[dqlate-check]:-}" ] && run_step dqlate-time 150 python3 -m benchmarks.hopper_backward \
+                time --configs table,dqlate --seqlens 4096,16384
+            [ -n "${passed[dqlate-check]:-}" ] && for tool in memcheck synccheck racecheck; do run_step dqlate-$tool 100 \
+                compute-sanitizer --tool $tool --report-api-errors no python3 -m benchmarks.hopper_backward check \
+                --configs dqlate --max-scores 20000; done ;;
     # the Hopper backward's opt-in ordered dQ (deterministic): 148 cases x 3 runs, same bits; then its cost
     ordered) run_step ordered-check 200 python3 -m benchmarks.hopper_backward check --configs ordered
             [ -n "${passed[ordered-check]:-}" ] && run_step ordered-time 150 python3 -m benchmarks.hopper_backward time \

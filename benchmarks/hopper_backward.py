@@ -12,7 +12,9 @@ blocks (`dq_ordered`, turn counters: bitwise-deterministic dq): its `check` also
 ``--configs splitwait`` the variant that waits for S^T and dP^T one at a time (`split_wait`, P^T computed
 while dP^T's GEMM runs; written offline 2026-12-02; on the H200 correct and not faster, NOTES.md "SPLIT_WAIT");
 ``--configs dqkeys`` the variant whose consumers split dQ by keys at d128 too (64 columns a pass) and stop
-meeting at a barrier every step (`dq_keys`, DQ_KEYS; written offline 2026-12-03, not yet run on a GPU).
+meeting at a barrier every step (`dq_keys`, DQ_KEYS; on the H200 correct and 25 % slower at d128, NOTES.md);
+``--configs dqlate`` the variant that waits for a step's dQ GEMM and adds its result in the next step, under
+that step's S^T/dP^T GEMMs (`dq_late`, DQ_LATE; written offline 2026-12-03).
 `check` prints one numbered line per case (the worst error of each gradient beside its bound),
 continues past failures, stops only when the CUDA context is lost, ends with a summary of the
 failures and exits 1 on any. The bound is the one of tests/test_cuda_gpu.py: twice the error
@@ -71,9 +73,11 @@ def cases(head_dims=(128, 64)):
 
 # configurations: the shipped tile table, or it with dQ added by the writer warp's bulk reductions, or
 # with dQ added in a fixed order of key blocks (bitwise-deterministic), or with S^T and dP^T waited for one
-# at a time (P^T computed while dP^T's GEMM runs), or with dQ split by keys and no per-step barrier
-CONFIGS = ("table", "dqbulk", "ordered", "splitwait", "dqkeys")
-KNOBS = {"dqbulk": "dq_bulk", "ordered": "dq_ordered", "splitwait": "split_wait", "dqkeys": "dq_keys"}
+# at a time (P^T computed while dP^T's GEMM runs), or with dQ split by keys and no per-step barrier, or
+# with each step's dQ waited for and added in the next step
+CONFIGS = ("table", "dqbulk", "ordered", "splitwait", "dqkeys", "dqlate")
+KNOBS = {"dqbulk": "dq_bulk", "ordered": "dq_ordered", "splitwait": "split_wait", "dqkeys": "dq_keys",
+         "dqlate": "dq_late"}
 RERUNS = 2  # ordered: runs after the first, each compared bit for bit with it
 
 

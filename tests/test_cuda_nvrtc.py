@@ -152,46 +152,37 @@ def test_hopper_backward_dq_bulk_knob_compiles():
         assert ok and size > 0, log[:2000]
 
 
-def test_hopper_backward_split_wait_knob_compiles_without_spills():
-    """SPLIT_WAIT (S^T and dP^T committed as two groups, P^T computed while dP^T's GEMM runs), the opt-in
-    that benchmarks/hopper_backward.py checks and times beside the table: every table tile, with and
-    without score mod, builds for sm_90a with no local memory and no wgmma serialisation; the table's
-    own builds say SPLIT_WAIT=0."""
+# The Hopper backward's opt-in schedules that benchmarks/hopper_backward.py checks and times beside the table
+# (NOTES.md has each one's H200 result): (Variant field, define, label flag).
+HOPPER_BACKWARD_OPT_INS = [
+    ("split_wait", "SPLIT_WAIT", "+splitwait"),  # S^T and dP^T waited for one at a time
+    ("dq_keys", "DQ_KEYS", "+dqkeys"),           # dQ split by keys at d128, in 64-column passes
+    ("dq_late", "DQ_LATE", "+dqlate"),           # a step's dQ waited for and added in the next step
+]
+# ptxas's wgmma serialisation notes: C7510/C7519/C7520 (why it serialised), C7512 (accumulators spread over
+# too many registers), C7514 (accumulators read inside a pipeline stage: DQ_LATE's first try), C7517 (a wait
+# ptxas injected)
+WGMMA_SERIALISED = ("C7510", "C7512", "C7514", "C7517", "C7519", "C7520")
+
+
+@pytest.mark.parametrize("field,define,flag", HOPPER_BACKWARD_OPT_INS, ids=[o[0] for o in HOPPER_BACKWARD_OPT_INS])
+def test_hopper_backward_opt_in_knob_compiles_without_spills(field, define, flag):
+    """Every table tile, with and without score mod, with the knob on builds for sm_90a with no local memory
+    and no wgmma serialisation; the table's own builds do not turn it on."""
     reason = _nvrtc_available()
     if reason:
         pytest.skip(reason)
     table = [v for v in variants.requestable(families.HOPPER, (9, 0))
              if v.hopper_backward and v.bf16 and not v.dq_ordered]
-    assert table and all("-DSPLIT_WAIT=0" in v.defines() for v in table)
+    assert table and not any(f"-D{define}=1" in v.defines() for v in table)
     from attnx.backends.cuda.compile import kernel_source
 
-    for v in (t._replace(split_wait=True) for t in table):
-        assert "-DSPLIT_WAIT=1" in v.defines() and "+splitwait" in v.label()
+    for v in (t._replace(**{field: True}) for t in table):
+        assert f"-D{define}=1" in v.defines() and flag in v.label()
         ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
                                                    (*cuda_compile.nvrtc_options(v, "sm_90a"), "-Xptxas=-v"))
         assert ok and size > 0, log[:2000]
-        assert " 0 bytes spill stores" in log and "C7510" not in log and "C7519" not in log and "C7520" not in log, log
-
-
-def test_hopper_backward_dq_keys_knob_compiles_without_spills():
-    """DQ_KEYS (dQ split by keys at d128 in 64-column passes, the consumers no longer joined every step),
-    the opt-in benchmarks/hopper_backward.py checks and times beside the table: every table tile builds
-    for sm_90a with no local memory and no wgmma serialisation (one 64 x 128 dQ accumulator made ptxas
-    serialise, C7512); the table's builds do not define it."""
-    reason = _nvrtc_available()
-    if reason:
-        pytest.skip(reason)
-    table = [v for v in variants.requestable(families.HOPPER, (9, 0))
-             if v.hopper_backward and v.bf16 and not v.dq_ordered]
-    assert table and not any("DQ_KEYS" in d for v in table for d in v.defines())
-    from attnx.backends.cuda.compile import kernel_source
-
-    for v in (t._replace(dq_keys=True) for t in table):
-        assert "-DDQ_KEYS=1" in v.defines() and "+dqkeys" in v.label()
-        ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
-                                                   (*cuda_compile.nvrtc_options(v, "sm_90a"), "-Xptxas=-v"))
-        assert ok and size > 0, log[:2000]
-        assert " 0 bytes spill stores" in log and all(c not in log for c in ("C7510", "C7512", "C7519", "C7520")), log
+        assert " 0 bytes spill stores" in log and not any(c in log for c in WGMMA_SERIALISED), log
 
 
 def test_hopper_backward_dq_ordered_variants_compile():

@@ -52,7 +52,9 @@ class Variant(NamedTuple):
     split_wait: bool = False  # Hopper bwd, no score mod: S^T and dP^T waited for one at a time, P^T computed
                               # while dP^T's GEMM runs (opt-in, not dispatched: correct, not faster, NOTES.md)
     dq_keys: bool = False  # Hopper bwd, BM = 64: dQ split by keys at d128 too, no per-step barrier between the
-                           # consumers (DQ_KEYS; opt-in, written 2026-12-03, not yet run on a GPU)
+                           # consumers (DQ_KEYS; opt-in, not dispatched: correct, 25 % slower at d128, NOTES.md)
+    dq_late: bool = False  # Hopper bwd: a step's dQ GEMM waited for and added in the next step, under its
+                           # S^T/dP^T GEMMs (DQ_LATE; opt-in, written 2026-12-03)
     atomic_dq: bool = True  # bwd: the dK pass adds dQ with fp32 atomics (False: the deterministic backward's
                             # dK/dV kernel, whose dQ is the bwd_dq pass)
     exact_alpha: bool = False  # fwd (both families) and decode: the online softmax's rescale factor from the rounded
@@ -100,6 +102,8 @@ class Variant(NamedTuple):
             d["SPLIT_WAIT"] = int(self.split_wait)
             if self.dq_keys:  # (only its builds define it: the table's defines stay as they were)
                 d["DQ_KEYS"] = 1
+            if self.dq_late:  # (likewise)
+                d["DQ_LATE"] = 1
             d["SHARED_BYTES"] = self.shared_bytes()  # the kernel asserts its layout needs exactly this
         elif self.kernel == "bwd":
             d.update(DO_DV=int(self.do_dv), DO_DK=int(self.do_dk), DQ_ATOMIC=int(self.atomic_dq))
@@ -166,6 +170,7 @@ class Variant(NamedTuple):
         flags += "" if self.atomic_dq else " no-dq"
         flags += (" wgmma" + ("+dqbulk" if self.dq_bulk else "") + ("+ordered" if self.dq_ordered else "")
                   + ("+splitwait" if self.split_wait else "") + ("+dqkeys" if self.dq_keys else "")
+                  + ("+dqlate" if self.dq_late else "")
                   if self.hopper_backward else "")
         stages = f" s{self.stages}" if self.kernel in ("fwd", "bwd_dq", "decode") else ""
         stages += ("+overlap" if self.overlap else "") + ("+pingpong" if self.pingpong else "")

@@ -47,12 +47,17 @@
 #ifndef SPLIT_WAIT
 #define SPLIT_WAIT 0
 #endif
-// DQ_KEYS (opt-in, not dispatched; written 2026-12-03, not yet run): BM = 64 tiles split dQ by keys at
-// every head dim (d128 too: each consumer its own 64 keys x all 128 columns, twice the reductions), and
-// the consumers stop meeting at barrier 1 every step (each reads only its own dS^T rows), so one's
-// exponentials can run while the other's GEMMs do; the Q/dO ring still keeps them within a step.
+// DQ_KEYS (opt-in, not dispatched: correct and 25 % slower at d128 on the H200, 2026-12-03): BM = 64 tiles
+// split dQ by keys at every head dim (d128 too: each consumer its own 64 keys x all 128 columns, twice the
+// reductions), and the consumers stop meeting at barrier 1 every step (each reads only its own dS^T rows).
 #ifndef DQ_KEYS
 #define DQ_KEYS 0
+#endif
+// DQ_LATE (opt-in, written 2026-12-03): the dQ GEMM of step i is not waited for in step i; step i + 1
+// issues its S^T/dP^T GEMMs first, then waits for dQ(i) and adds it to dq_accum while they run, so the
+// tensor cores go from dQ(i) to S^T(i + 1) without draining and the reductions leave the idle gap.
+#ifndef DQ_LATE
+#define DQ_LATE 0
 #endif
 
 namespace sm90_bwd {
@@ -328,6 +333,17 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
   float dk[HD / 2], dv[HD / 2];
 #pragma unroll
   for (int i = 0; i < HD / 2; ++i) dk[i] = dv[i] = 0.f;
+#if DQ_LATE
+  // the previous step's dQ part (its GEMM may still run) and its query head and block
+  float dq_late[DQ_N / 2];
+  int late_hq = 0, late_m0 = 0;
+  const auto add_late_dq = [&]() {  // (after a wait for its GEMM)
+    fence_regs(dq_late);
+    float* dq_head = p.dq_accum + ((long long)w.b * p.heads_q + late_hq) * p.seqlen_q * p.dq_row;
+    red_dq<DQ_N>(dq_late, dq_head, p.dq_row, late_m0 + dq_row0 + warp_in_group * 16 + g, dq_col0 + 2 * t4,
+                 vis.seqlen_q);
+  };
+#endif
 
   if (w.steps > 0) mbar_wait(L::kv_full(base), 0);
   for (int i = 0; i < w.steps; ++i) {
@@ -357,8 +373,17 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
       u32 no_cap[BM / 4];  // not read (CAP = false)
       grads_from_probs<BF16, BM, false>(st, dpt, no_cap, pa, da, delta, t4);
     } else if constexpr (!MOD) {
+#if DQ_LATE
+      wgmma_wait<0>();  // the previous step's dQ (waited for here: after S^T's issue ptxas serialised, C7514)
+#endif
       wgmma_fence();
       issue_rows_by_queries<BF16, HD, BM>(st, k_rows, q_tile);
+#if DQ_LATE
+      // under S^T's GEMM; before dP^T's is issued (with its accumulators live too, ptxas spilled)
+      wgmma_commit();
+      if (i > 0) add_late_dq();
+      wgmma_fence();
+#endif
       issue_rows_by_queries<BF16, HD, BM>(dpt, v_rows, do_tile);
       wgmma_commit();
       wgmma_wait<0>();
@@ -368,6 +393,9 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
     } else {
       // dP^T issued after P^T keeps tanh's temporaries away from its accumulators; SPLIT_WAIT issues it
       // first and lets the exponentials run beside it, as above
+#if DQ_LATE
+      wgmma_wait<0>();  // the previous step's dQ
+#endif
       wgmma_fence();
       issue_rows_by_queries<BF16, HD, BM>(st, k_rows, q_tile);
       wgmma_commit();
@@ -376,6 +404,9 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
         wgmma_commit();
         wgmma_wait<1>();
       } else {
+#if DQ_LATE
+        if (i > 0) add_late_dq();  // under S^T's GEMM
+#endif
         wgmma_wait<0>();
       }
       fence_regs(st);
@@ -430,6 +461,27 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
       }
       continue;
     }
+#if DQ_LATE
+    {
+      wgmma_fence();  // (orders this step's reductions of dq_late before the GEMM overwrites it)
+      if constexpr (Split::HOW == Split::BY_ROWS)
+        issue_dq<BF16, DQ_N, Split::KEYS>(dq_late, ds_tile + consumer * L::DS_PANEL, base + L::K);
+      else if constexpr (Split::HOW == Split::BY_COLUMNS)
+        issue_dq<BF16, DQ_N, Split::KEYS>(dq_late, ds_tile, base + L::K + consumer * L::KV_PANEL);
+      else
+        issue_dq<BF16, DQ_N, Split::KEYS>(dq_late, ds_tile + consumer * 64 * 128, k_rows);
+      wgmma_commit();
+      wgmma_wait<1>();  // dV's and dK's GEMMs are done (dQ's may run on): stage s is free
+      fence_regs(dk);
+      fence_regs(dv);
+      fence_regs(pa);
+      fence_regs(da);
+      mbar_arrive(L::empty(base, s));
+      late_hq = hq;
+      late_m0 = m0;
+      continue;
+    }
+#endif
     float dq[DQ_N / 2];
     wgmma_fence();
     if constexpr (Split::HOW == Split::BY_ROWS)
@@ -495,6 +547,10 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
     }
   }
 
+#if DQ_LATE
+  wgmma_wait<0>();  // the last step's dQ
+  if (w.steps > 0) add_late_dq();
+#endif
   // Every wgmma that reads K or V (the other consumer's dQ reads all of K) is done: the tiles
   // become the staging buffers of dK and dV.
   named_sync(STEP_BARRIER, 256);
@@ -570,6 +626,8 @@ extern "C" __global__ void __launch_bounds__(sm90_bwd::THREADS, 1)
                 "variants.py's shared_bytes() disagrees with the kernel's layout");
   static_assert(!(DQ_ORDERED && DQ_BULK), "ordered dQ is written for the consumers' red path only");
   static_assert(!(DQ_KEYS && (DQ_ORDERED || DQ_BULK)), "DQ_KEYS is written for the plain red path only");
+  static_assert(!(DQ_LATE && (DQ_ORDERED || DQ_BULK || DQ_KEYS || SPLIT_WAIT)),
+                "DQ_LATE is written for the plain schedule and red path only");
 #if !DQ_ORDERED
   int* const dq_sem = nullptr;
 #endif
