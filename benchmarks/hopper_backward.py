@@ -1,4 +1,4 @@
-"""The Hopper (sm_90a) backward of the cuda backend (not dispatched yet): correctness, then speed.
+"""The Hopper (sm_90a) backward of the cuda backend: correctness, then speed, of its table and opt-in schedules.
 
     python -m benchmarks.hopper_backward check   # dq/dk/dv/dsinks against the float64 formula
     python -m benchmarks.hopper_backward time    # paper setting (bf16, 16k tokens) beside the Ampere
@@ -14,7 +14,8 @@ while dP^T's GEMM runs; written offline 2026-12-02; on the H200 correct and not 
 ``--configs dqkeys`` the variant whose consumers split dQ by keys at d128 too (64 columns a pass) and stop
 meeting at a barrier every step (`dq_keys`, DQ_KEYS; on the H200 correct and 25 % slower at d128, NOTES.md);
 ``--configs dqlate`` the variant that waits for a step's dQ GEMM and adds its result in the next step, under
-that step's S^T/dP^T GEMMs (`dq_late`, DQ_LATE; written offline 2026-12-03).
+that step's S^T GEMM (`dq_late`, DQ_LATE; 1.00-1.08x the plain schedule on the H200, the table's since
+2026-12-03); ``--configs plain`` the schedule before it (the other knobs apply to that one).
 `check` prints one numbered line per case (the worst error of each gradient beside its bound),
 continues past failures, stops only when the CUDA context is lost, ends with a summary of the
 failures and exits 1 on any. The bound is the one of tests/test_cuda_gpu.py: twice the error
@@ -71,23 +72,27 @@ def cases(head_dims=(128, 64)):
                      lambda sq, sk: [("lengths", {}), ("lengths causal", {"causal": True})])
 
 
-# configurations: the shipped tile table, or it with dQ added by the writer warp's bulk reductions, or
+# configurations: the shipped tile table (with DQ_LATE since 2026-12-03), the plain schedule without it, or
+# that with dQ added by the writer warp's bulk reductions, or
 # with dQ added in a fixed order of key blocks (bitwise-deterministic), or with S^T and dP^T waited for one
 # at a time (P^T computed while dP^T's GEMM runs), or with dQ split by keys and no per-step barrier, or
 # with each step's dQ waited for and added in the next step
-CONFIGS = ("table", "dqbulk", "ordered", "splitwait", "dqkeys", "dqlate")
+CONFIGS = ("table", "plain", "dqbulk", "ordered", "splitwait", "dqkeys", "dqlate")
 KNOBS = {"dqbulk": "dq_bulk", "ordered": "dq_ordered", "splitwait": "split_wait", "dqkeys": "dq_keys",
          "dqlate": "dq_late"}
 RERUNS = 2  # ordered: runs after the first, each compared bit for bit with it
 
 
 def _variant(p, config):
+    """The table's variant for `p`, or it with `config`'s knob on over the plain schedule (DQ_LATE off: each
+    knob is written for that one; "plain" is that schedule alone)."""
     from attnx.backends.cuda.launch_sm90_bwd import backward_variant_for
 
     v = backward_variant_for(p)
     if v is None or config == "table":
         return v
-    return v._replace(**{KNOBS[config]: True})
+    plain = v._replace(dq_late=False)
+    return plain if config == "plain" else plain._replace(**{KNOBS[config]: True})
 
 
 def _same_bits_over_reruns(grads_of, reruns=RERUNS):

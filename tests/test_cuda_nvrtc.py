@@ -143,7 +143,7 @@ def test_hopper_backward_dq_bulk_knob_compiles():
     if reason:
         pytest.skip(reason)
     shared = variants.max_shared((9, 0))
-    todo = [v._replace(dq_bulk=True) for v in variants.requestable(families.HOPPER, (9, 0))
+    todo = [v._replace(dq_late=False, dq_bulk=True) for v in variants.requestable(families.HOPPER, (9, 0))
             if v.hopper_backward and v.bf16 and not v.score_mod and not v.dq_ordered]
     assert todo
     for v in todo:
@@ -153,11 +153,12 @@ def test_hopper_backward_dq_bulk_knob_compiles():
 
 
 # The Hopper backward's opt-in schedules that benchmarks/hopper_backward.py checks and times beside the table
-# (NOTES.md has each one's H200 result): (Variant field, define, label flag).
+# (NOTES.md has each one's H200 result): (Variant field, define, label flag). Each is written on the plain
+# schedule (the table's DQ_LATE off).
 HOPPER_BACKWARD_OPT_INS = [
     ("split_wait", "SPLIT_WAIT", "+splitwait"),  # S^T and dP^T waited for one at a time
     ("dq_keys", "DQ_KEYS", "+dqkeys"),           # dQ split by keys at d128, in 64-column passes
-    ("dq_late", "DQ_LATE", "+dqlate"),           # a step's dQ waited for and added in the next step
+    ("dq_late", "DQ_LATE", "+dqlate"),           # (the table's own) a step's dQ added in the next step
 ]
 # ptxas's wgmma serialisation notes: C7510/C7519/C7520 (why it serialised), C7512 (accumulators spread over
 # too many registers), C7514 (accumulators read inside a pipeline stage: DQ_LATE's first try), C7517 (a wait
@@ -168,17 +169,20 @@ WGMMA_SERIALISED = ("C7510", "C7512", "C7514", "C7517", "C7519", "C7520")
 @pytest.mark.parametrize("field,define,flag", HOPPER_BACKWARD_OPT_INS, ids=[o[0] for o in HOPPER_BACKWARD_OPT_INS])
 def test_hopper_backward_opt_in_knob_compiles_without_spills(field, define, flag):
     """Every table tile, with and without score mod, with the knob on builds for sm_90a with no local memory
-    and no wgmma serialisation; the table's own builds do not turn it on."""
+    and no wgmma serialisation; of the table's own builds only the dispatched schedule's (DQ_LATE, not in
+    the deterministic twins) turn one on. The table's and the twins' builds are held to the same."""
     reason = _nvrtc_available()
     if reason:
         pytest.skip(reason)
-    table = [v for v in variants.requestable(families.HOPPER, (9, 0))
-             if v.hopper_backward and v.bf16 and not v.dq_ordered]
-    assert table and not any(f"-D{define}=1" in v.defines() for v in table)
+    found = [v for v in variants.requestable(families.HOPPER, (9, 0)) if v.hopper_backward and v.bf16]
+    table = [v for v in found if not v.dq_ordered]
+    assert table and all((f"-D{define}=1" in v.defines()) == (field == "dq_late") for v in table)
+    assert not any(f"-D{define}=1" in v.defines() for v in found if v.dq_ordered)
     from attnx.backends.cuda.compile import kernel_source
 
-    for v in (t._replace(**{field: True}) for t in table):
-        assert f"-D{define}=1" in v.defines() and flag in v.label()
+    todo = [t._replace(**{"dq_late": False, field: True}) for t in table]
+    for v in todo + (found if field == "dq_late" else []):
+        assert (f"-D{define}=1" in v.defines() and flag in v.label()) or v.dq_ordered
         ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
                                                    (*cuda_compile.nvrtc_options(v, "sm_90a"), "-Xptxas=-v"))
         assert ok and size > 0, log[:2000]
@@ -196,8 +200,8 @@ def test_hopper_backward_dq_ordered_variants_compile():
     found = [v for v in variants.requestable(families.HOPPER, (9, 0)) if v.hopper_backward]
     table = [v for v in found if not v.dq_ordered]
     assert table and all("-DDQ_ORDERED=0" in v.defines() for v in table)
-    assert {v for v in found if v.dq_ordered} == {v._replace(dq_ordered=True) for v in table}
-    todo = [v._replace(dq_ordered=True) for v in table if v.bf16]
+    assert {v for v in found if v.dq_ordered} == {variants.ordered_twin(v) for v in table}
+    todo = [variants.ordered_twin(v) for v in table if v.bf16]
     assert {v.block_m for v in todo if v.score_mod and v.head_dim == 64} == {64}  # the split by keys
     for v in todo:
         assert "-DDQ_ORDERED=1" in v.defines() and "+ordered" in v.label()
@@ -235,8 +239,8 @@ def test_hopper_backward_takes_the_ordered_variant_when_deterministic(monkeypatc
     p = _problem("sm_90", head_dim=128, needs_grad=True, deterministic=deterministic)
     BACKEND.backward(p, None, None, None, None)
     table = launch_sm90_bwd.backward_variant_for(p)
-    assert launched == [table._replace(dq_ordered=True) if deterministic else table]
-    assert not table.dq_ordered
+    assert launched == [variants.ordered_twin(table) if deterministic else table]
+    assert not table.dq_ordered and table.dq_late and not variants.ordered_twin(table).dq_late
 
 
 @pytest.mark.parametrize("family", list(families.FAMILIES.values()), ids=lambda f: f.name)

@@ -183,6 +183,7 @@ def test_launcher_passes_zeroed_turn_counters_only_to_ordered_variants(monkeypat
 
     from attnx.autograd import backend_view
     from attnx.backends.cuda import launch_sm90_bwd as launcher
+    from attnx.backends.cuda.variants import ordered_twin
     from attnx.problem import make_call
 
     q = torch.randn(2, 4, 300, 64, dtype=torch.bfloat16)
@@ -213,7 +214,7 @@ def test_launcher_passes_zeroed_turn_counters_only_to_ordered_variants(monkeypat
     dout = torch.randn_like(out)
     table = launcher.backward_variant_for(p)
     assert table is not None and not table.dq_ordered and table.block_m == 128
-    launcher.backward(p, xv, out, lse, dout, table._replace(dq_ordered=True))
+    launcher.backward(p, xv, out, lse, dout, ordered_twin(table))
     assert seen == {"grid": 2 * 2 * 8, "args": 8, "counters": [(2 * 4 * 3, 0)]}
     launcher.backward(p, xv, out, lse, dout, table)
     assert seen["args"] == 7 and seen["counters"] == []

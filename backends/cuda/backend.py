@@ -182,10 +182,10 @@ class CudaBackend(Backend):
         if _hopper_backward(p):
             from .launch_sm90_bwd import backward as hopper_backward
             from .launch_sm90_bwd import backward_variant_for
+            from .variants import ordered_twin
 
             variant = backward_variant_for(p)
-            return hopper_backward(p, x, out, lse, dout, variant._replace(dq_ordered=True) if p.deterministic
-                                   else variant)
+            return hopper_backward(p, x, out, lse, dout, ordered_twin(variant) if p.deterministic else variant)
         if p.deterministic:
             from .launch_deterministic import backward as deterministic_backward
 

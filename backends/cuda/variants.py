@@ -54,7 +54,7 @@ class Variant(NamedTuple):
     dq_keys: bool = False  # Hopper bwd, BM = 64: dQ split by keys at d128 too, no per-step barrier between the
                            # consumers (DQ_KEYS; opt-in, not dispatched: correct, 25 % slower at d128, NOTES.md)
     dq_late: bool = False  # Hopper bwd: a step's dQ GEMM waited for and added in the next step, under its
-                           # S^T/dP^T GEMMs (DQ_LATE; opt-in, written 2026-12-03)
+                           # S^T GEMM (DQ_LATE; the table's schedule since 2026-12-03, not the ordered twin's)
     atomic_dq: bool = True  # bwd: the dK pass adds dQ with fp32 atomics (False: the deterministic backward's
                             # dK/dV kernel, whose dQ is the bwd_dq pass)
     exact_alpha: bool = False  # fwd (both families) and decode: the online softmax's rescale factor from the rounded
@@ -390,8 +390,15 @@ def hopper_backward_variant(family: Family, bf16: bool, tile: int, score_mod: bo
     if "bwd_wgmma" not in family.sources or tile not in HOPPER_BACKWARD_TILES:
         return None
     block_m = HOPPER_BACKWARD_TILES[tile][int(score_mod)]
-    v = Variant(family.name, "bwd_wgmma", bf16, tile, block_m, HOPPER_BACKWARD_KEYS, 12, score_mod)
+    # dq_late: 1.00-1.08x the plain schedule's speed (H200, 2026-12-03, NOTES.md "DQ_LATE")
+    v = Variant(family.name, "bwd_wgmma", bf16, tile, block_m, HOPPER_BACKWARD_KEYS, 12, score_mod, dq_late=True)
     return v if v.shared_bytes() <= max_shared else None
+
+
+def ordered_twin(v: Variant) -> Variant:
+    """The deterministic twin of a Hopper backward variant: dQ added in a fixed order of key blocks (its
+    turns follow the plain schedule: DQ_LATE is written for the unordered reductions only)."""
+    return v._replace(dq_ordered=True, dq_late=False)
 
 
 def decode_variants(family: Family, bf16: bool, tile: int, score_mod: bool, max_shared: int,
@@ -491,7 +498,7 @@ def requestable(family: Family, capability) -> list[Variant]:
                 found += list(deterministic_backward_variants(family, bf16, tile, mod, shared) or ())
             for tile in TILE_SETS.get((family.name, "bwd_wgmma"), ()):
                 bwd = hopper_backward_variant(family, bf16, tile, mod, shared)
-                found += [bwd, bwd._replace(dq_ordered=True)] if bwd else []  # the second: deterministic
+                found += [bwd, ordered_twin(bwd)] if bwd else []  # the second: deterministic
             for tile in TILE_SETS.get((family.name, "decode"), ()):
                 for kv_format in ("cache", "paged"):  # (dense keys share the cache's ring layout)
                     found += [v for v in decode_variants(family, bf16, tile, mod, shared, kv_format) if v not in found]
