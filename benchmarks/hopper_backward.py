@@ -14,7 +14,7 @@ while dP^T's GEMM runs; written offline 2026-12-02; on the H200 correct and not 
 ``--configs dqkeys`` the variant whose consumers split dQ by keys at d128 too (64 columns a pass) and stop
 meeting at a barrier every step (`dq_keys`, DQ_KEYS; on the H200 correct and 25 % slower at d128, NOTES.md);
 ``--configs dqlate`` the variant that waits for a step's dQ GEMM and adds its result in the next step, under
-that step's S^T GEMM (`dq_late`, DQ_LATE; 1.00-1.08x the plain schedule on the H200, the table's since
+that step's S^T GEMM (`dq_late`, DQ_LATE; 0.99-1.08x the plain schedule on the H200, the table's since
 2026-12-03); ``--configs plain`` the schedule before it (the other knobs apply to that one).
 `check` prints one numbered line per case (the worst error of each gradient beside its bound),
 continues past failures, stops only when the CUDA context is lost, ends with a summary of the

@@ -390,7 +390,7 @@ def hopper_backward_variant(family: Family, bf16: bool, tile: int, score_mod: bo
     if "bwd_wgmma" not in family.sources or tile not in HOPPER_BACKWARD_TILES:
         return None
     block_m = HOPPER_BACKWARD_TILES[tile][int(score_mod)]
-    # dq_late: 1.00-1.08x the plain schedule's speed (H200, 2026-12-03, NOTES.md "DQ_LATE")
+    # dq_late: 0.99-1.08x the plain schedule's speed (H200, 2026-12-03, NOTES.md "DQ_LATE")
     v = Variant(family.name, "bwd_wgmma", bf16, tile, block_m, HOPPER_BACKWARD_KEYS, 12, score_mod, dq_late=True)
     return v if v.shared_bytes() <= max_shared else None
 
