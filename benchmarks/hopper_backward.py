@@ -78,19 +78,23 @@ def cases(head_dims=(128, 64)):
 # at a time (P^T computed while dP^T's GEMM runs), or with dQ split by keys and no per-step barrier, or
 # with each step's dQ waited for and added in the next step
 CONFIGS = ("table", "plain", "dqbulk", "ordered", "splitwait", "dqkeys", "dqlate")
-KNOBS = {"dqbulk": "dq_bulk", "ordered": "dq_ordered", "splitwait": "split_wait", "dqkeys": "dq_keys",
+KNOBS = {"dqbulk": "dq_bulk", "splitwait": "split_wait", "dqkeys": "dq_keys",
          "dqlate": "dq_late"}
 RERUNS = 2  # ordered: runs after the first, each compared bit for bit with it
 
 
 def _variant(p, config):
-    """The table's variant for `p`, or it with `config`'s knob on over the plain schedule (DQ_LATE off: each
-    knob is written for that one; "plain" is that schedule alone)."""
+    """The table's variant for `p`, its deterministic twin ("ordered"), or the table's tile with `config`'s
+    knob on over the plain schedule (DQ_LATE off: each knob is written for that one; "plain" is that
+    schedule alone)."""
     from attnx.backends.cuda.launch_sm90_bwd import backward_variant_for
+    from attnx.backends.cuda.variants import ordered_twin
 
     v = backward_variant_for(p)
     if v is None or config == "table":
         return v
+    if config == "ordered":  # what deterministic problems run
+        return ordered_twin(v)
     plain = v._replace(dq_late=False)
     return plain if config == "plain" else plain._replace(**{KNOBS[config]: True})
 

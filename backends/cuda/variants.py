@@ -54,7 +54,7 @@ class Variant(NamedTuple):
     dq_keys: bool = False  # Hopper bwd, BM = 64: dQ split by keys at d128 too, no per-step barrier between the
                            # consumers (DQ_KEYS; opt-in, not dispatched: correct, 25 % slower at d128, NOTES.md)
     dq_late: bool = False  # Hopper bwd: a step's dQ GEMM waited for and added in the next step, under its
-                           # S^T GEMM (DQ_LATE; the table's schedule since 2026-12-03, not the ordered twin's)
+                           # S^T GEMM (DQ_LATE; the table's schedule since 2026-12-03, its ordered twins' too)
     atomic_dq: bool = True  # bwd: the dK pass adds dQ with fp32 atomics (False: the deterministic backward's
                             # dK/dV kernel, whose dQ is the bwd_dq pass)
     exact_alpha: bool = False  # fwd (both families) and decode: the online softmax's rescale factor from the rounded
@@ -396,9 +396,9 @@ def hopper_backward_variant(family: Family, bf16: bool, tile: int, score_mod: bo
 
 
 def ordered_twin(v: Variant) -> Variant:
-    """The deterministic twin of a Hopper backward variant: dQ added in a fixed order of key blocks (its
-    turns follow the plain schedule: DQ_LATE is written for the unordered reductions only)."""
-    return v._replace(dq_ordered=True, dq_late=False)
+    """The deterministic twin of a Hopper backward variant: dQ added in a fixed order of key blocks (on the
+    same schedule: with DQ_LATE a step's dQ takes its turn during the next step)."""
+    return v._replace(dq_ordered=True)
 
 
 def decode_variants(family: Family, bf16: bool, tile: int, score_mod: bool, max_shared: int,

@@ -319,6 +319,30 @@ DEVI void red_dq(const float (&dq)[DQ_N / 2], float* dq_head, int dq_row, int ro
     }
 }
 
+// DQ_ORDERED: this consumer's dQ part of query block m0 / BM (head hq) added in its turn: after the key
+// blocks above this one that see the block; then the turn passes on. Both consumers call it together.
+template <int HD, int BM>
+DEVI void red_dq_in_turn(const float (&dq)[DqSplit<HD, BM>::N / 2], const AttnParams& p, const Visibility& vis,
+                         const Work& w, int* dq_sem, int hq, int m0, int row0, int col0, int consumer) {
+  using Split = DqSplit<HD, BM>;
+  float* dq_head = p.dq_accum + ((long long)w.b * p.heads_q + hq) * p.seqlen_q * p.dq_row;
+  int* sem = dq_sem + ((long long)w.b * p.heads_q + hq) * ((p.seqlen_q + BM - 1) / BM) + m0 / BM;
+  int k_lo, k_hi;
+  keys_seen(vis, m0, min(m0 + BM, vis.seqlen_q) - 1, &k_lo, &k_hi);
+  const int turn = k_hi / BN - w.n0 / BN;  // uniform: skip the wait (and its barrier) when first
+  if (turn > 0) {
+    if (threadIdx.x == 128) wait_turn(sem, turn);
+    named_sync(ORDER_BARRIER, 256);  // acquire (one thread) + barrier: every adder after the turn
+  }
+  if constexpr (Split::HOW == Split::BY_KEYS)
+    if (consumer == 1) named_sync(BATON_BARRIER, 256);  // both add to the same elements: 0 first
+  red_dq<Split::N>(dq, dq_head, p.dq_row, row0, col0, vis.seqlen_q);
+  if constexpr (Split::HOW == Split::BY_KEYS)
+    if (consumer == 0) named_arrive(BATON_BARRIER, 256);
+  named_sync(ORDER_BARRIER, 256);  // every reduction of this block issued before the release
+  if (threadIdx.x == 128) pass_turn(sem);
+}
+
 template <bool BF16, int HD, int BM, bool MOD, bool DQB, bool ORD>
 DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32 base, const float* lse_s,
                   const float* delta_s, const TmaMap* tdk, const TmaMap* tdv, int* dq_sem) {
@@ -342,9 +366,14 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
   int late_hq = 0, late_m0 = 0;
   const auto add_late_dq = [&]() {  // (after a wait for its GEMM)
     fence_regs(dq_late);
-    float* dq_head = p.dq_accum + ((long long)w.b * p.heads_q + late_hq) * p.seqlen_q * p.dq_row;
-    red_dq<DQ_N>(dq_late, dq_head, p.dq_row, late_m0 + dq_row0 + warp_in_group * 16 + g, dq_col0 + 2 * t4,
-                 vis.seqlen_q);
+    if constexpr (ORD) {
+      red_dq_in_turn<HD, BM>(dq_late, p, vis, w, dq_sem, late_hq, late_m0, late_m0 + dq_row0 + warp_in_group * 16 + g,
+                             dq_col0 + 2 * t4, consumer);
+    } else {
+      float* dq_head = p.dq_accum + ((long long)w.b * p.heads_q + late_hq) * p.seqlen_q * p.dq_row;
+      red_dq<DQ_N>(dq_late, dq_head, p.dq_row, late_m0 + dq_row0 + warp_in_group * 16 + g, dq_col0 + 2 * t4,
+                   vis.seqlen_q);
+    }
   };
 #endif
 
@@ -519,23 +548,8 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
     } else {
       float* dq_head = p.dq_accum + ((long long)w.b * p.heads_q + hq) * p.seqlen_q * p.dq_row;
       if constexpr (ORD) {
-        const int row0 = m0 + dq_row0 + warp_in_group * 16 + g, col0 = dq_col0 + 2 * t4;
-        // this key block's turn on query block m0 / BM: after the key blocks above it that see the block
-        int* sem = dq_sem + ((long long)w.b * p.heads_q + hq) * ((p.seqlen_q + BM - 1) / BM) + m0 / BM;
-        int k_lo, k_hi;
-        keys_seen(vis, m0, min(m0 + BM, vis.seqlen_q) - 1, &k_lo, &k_hi);
-        const int turn = k_hi / BN - w.n0 / BN;  // uniform: skip the wait (and its barrier) when first
-        if (turn > 0) {
-          if (threadIdx.x == 128) wait_turn(sem, turn);
-          named_sync(ORDER_BARRIER, 256);  // acquire (one thread) + barrier: every adder after the turn
-        }
-        if constexpr (Split::HOW == Split::BY_KEYS)
-          if (consumer == 1) named_sync(BATON_BARRIER, 256);  // both add to the same elements: 0 first
-        red_dq<DQ_N>(dq, dq_head, p.dq_row, row0, col0, vis.seqlen_q);
-        if constexpr (Split::HOW == Split::BY_KEYS)
-          if (consumer == 0) named_arrive(BATON_BARRIER, 256);
-        named_sync(ORDER_BARRIER, 256);  // every reduction of this block issued before the release
-        if (threadIdx.x == 128) pass_turn(sem);
+        red_dq_in_turn<HD, BM>(dq, p, vis, w, dq_sem, hq, m0, m0 + dq_row0 + warp_in_group * 16 + g,
+                               dq_col0 + 2 * t4, consumer);
       } else {  // (the loop as it was, not red_dq: the default build's code stays byte-identical)
 #pragma unroll
         for (int c = 0; c < DQ_N / 8; ++c)
@@ -629,8 +643,7 @@ extern "C" __global__ void __launch_bounds__(sm90_bwd::THREADS, 1)
                 "variants.py's shared_bytes() disagrees with the kernel's layout");
   static_assert(!(DQ_ORDERED && DQ_BULK), "ordered dQ is written for the consumers' red path only");
   static_assert(!(DQ_KEYS && (DQ_ORDERED || DQ_BULK)), "DQ_KEYS is written for the plain red path only");
-  static_assert(!(DQ_LATE && (DQ_ORDERED || DQ_BULK || DQ_KEYS || SPLIT_WAIT)),
-                "DQ_LATE is written for the plain schedule and red path only");
+  static_assert(!(DQ_LATE && (DQ_BULK || DQ_KEYS || SPLIT_WAIT)), "DQ_LATE is written for the red path only");
 #if !DQ_ORDERED
   int* const dq_sem = nullptr;
 #endif
