@@ -49,9 +49,9 @@ class CudaBackend(Backend):
     supports_mask_grad = False
     # The default backwards add dQ with fp32 atomics. Deterministic problems the Hopper backward covers run
     # its ordered-dQ variant (fixed order of key blocks per query block): 148/148 cases bitwise-identical
-    # over reruns on the H200 2026-12-02, 1.09-1.22x the atomic Hopper backward's time. The others run
-    # launch_deterministic.py (the Ampere backward without atomic dQ, then a dQ pass): bitwise-identical
-    # on the H200 2026-12-01 (105 cases), 1.06-1.12x the atomic Ampere backward (NOTES.md).
+    # over reruns on the H200 (2026-12-03 on the DQ_LATE schedule), 1.14-1.30x the atomic Hopper backward's
+    # time. The others run launch_deterministic.py (the Ampere backward without atomic dQ, then a dQ pass):
+    # bitwise-identical on the H200 2026-12-01 (105 cases), 1.06-1.12x the atomic Ampere backward (NOTES.md).
     deterministic = True
     supports_offset = True
     supports_sinks = True

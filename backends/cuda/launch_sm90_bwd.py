@@ -9,7 +9,7 @@ float32 to `dq_accum` and converted once here, as in the Ampere launcher. delta 
 gradient are the same torch ops as there.
 Deterministic problems get the variant with `dq_ordered`: dQ is added into each query block in a fixed
 order of key blocks, so dq is the same bits on every run (148/148 cases over reruns on the H200
-2026-12-02, 1.09-1.22x the atomic variant's time); it takes one more kernel argument, the zeroed int32
+2026-12-03, 1.14-1.30x the atomic variant's time); it takes one more kernel argument, the zeroed int32
 turn counters (B, Hq, ceil(Sq / BM)) allocated here.
 """
 from __future__ import annotations

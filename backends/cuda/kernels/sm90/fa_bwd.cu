@@ -19,9 +19,9 @@
 // - at the end dK (times the scale) and dV go through the (now free) K and V tiles to TMA stores
 //   that clip at Sk and at the head dims.
 // The table's schedule (DQ_LATE) waits for each GEMM group before the next, except dQ's: a step's dQ is
-// waited for at the next step's start and added to dq_accum while that step's S^T GEMM runs. Without
-// it (the plain schedule, which the deterministic DQ_ORDERED builds keep) dQ is waited for and added
-// at the end of its own step; SPLIT_WAIT (opt-in) runs the exponentials beside dP^T's GEMM. The
+// waited for at the next step's start and added to dq_accum (DQ_ORDERED: in its turn) while that step's
+// S^T GEMM runs. Without it (the plain schedule) dQ is waited for and added at the end of its own step;
+// SPLIT_WAIT (opt-in, on the plain schedule) runs the exponentials beside dP^T's GEMM. The
 // elementwise step is sm90/bwd_probs.cuh.
 // A step whose tile is not wholly inside the causal/window band (tested for the whole thread
 // block, so ptxas keeps the wgmma pipeline) masks per element; the others skip the mask.
