@@ -269,6 +269,19 @@ DEVI void issue_dq(float (&dq)[DQ_N / 2], u32 ds_panel, u32 k_panel) {
                             smem_desc(k_panel + kk * 2048, BN * 128, 1024), kk > 0);
 }
 
+// This consumer's dQ part of a step (one pass of DqSplit's N columns): its half of dS K by DqSplit.
+template <bool BF16, int HD, int BM, bool DQB>
+DEVI void issue_step_dq(float (&dq)[DqSplit<HD, BM>::N / 2], u32 ds_tile, u32 base, u32 k_rows, int consumer) {
+  using L = Layout<HD, BM, DQB>;
+  using Split = DqSplit<HD, BM>;
+  if constexpr (Split::HOW == Split::BY_ROWS)
+    issue_dq<BF16, Split::N, Split::KEYS>(dq, ds_tile + consumer * L::DS_PANEL, base + L::K);
+  else if constexpr (Split::HOW == Split::BY_COLUMNS)
+    issue_dq<BF16, Split::N, Split::KEYS>(dq, ds_tile, base + L::K + consumer * L::KV_PANEL);
+  else
+    issue_dq<BF16, Split::N, Split::KEYS>(dq, ds_tile + consumer * 64 * 128, k_rows);
+}
+
 // 128-byte swizzle of TMA tiles: the 16-byte chunk index is xor-ed with the row inside its 8-row atom.
 DEVI u32 swizzled(u32 panel, int row, int col) {
   return panel + row * 128 + ((u32)((col >> 3) ^ (row & 7)) << 4) + (col & 7) * 2;
@@ -496,12 +509,7 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
 #if DQ_LATE
     {
       wgmma_fence();  // (orders this step's reductions of dq_late before the GEMM overwrites it)
-      if constexpr (Split::HOW == Split::BY_ROWS)
-        issue_dq<BF16, DQ_N, Split::KEYS>(dq_late, ds_tile + consumer * L::DS_PANEL, base + L::K);
-      else if constexpr (Split::HOW == Split::BY_COLUMNS)
-        issue_dq<BF16, DQ_N, Split::KEYS>(dq_late, ds_tile, base + L::K + consumer * L::KV_PANEL);
-      else
-        issue_dq<BF16, DQ_N, Split::KEYS>(dq_late, ds_tile + consumer * 64 * 128, k_rows);
+      issue_step_dq<BF16, HD, BM, DQB>(dq_late, ds_tile, base, k_rows, consumer);
       wgmma_commit();
       wgmma_wait<1>();  // dV's and dK's GEMMs are done (dQ's may run on): stage s is free
       fence_regs(dk);
@@ -516,12 +524,7 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
 #endif
     float dq[DQ_N / 2];
     wgmma_fence();
-    if constexpr (Split::HOW == Split::BY_ROWS)
-      issue_dq<BF16, DQ_N, Split::KEYS>(dq, ds_tile + consumer * L::DS_PANEL, base + L::K);
-    else if constexpr (Split::HOW == Split::BY_COLUMNS)
-      issue_dq<BF16, DQ_N, Split::KEYS>(dq, ds_tile, base + L::K + consumer * L::KV_PANEL);
-    else
-      issue_dq<BF16, DQ_N, Split::KEYS>(dq, ds_tile + consumer * 64 * 128, k_rows);
+    issue_step_dq<BF16, HD, BM, DQB>(dq, ds_tile, base, k_rows, consumer);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(dq);
