@@ -5,10 +5,11 @@ The kernel's index formulas are ported here (`queries_seeing`/`keys_seen` of com
 visibility rule for causal, window, offset, GQA and ragged lengths: the key blocks that add to a query
 block are exactly those whose walk visits it, they are contiguous, each one's turn is the number of
 contributors above it, and every thread block it waits for has a lower blockIdx. Then the protocol
-itself runs under random schedules with few resident thread blocks (in-order dispatch): it never
-deadlocks, and each query block sees its additions in the same order on every schedule. The same
-model with the key blocks in ascending grid order deadlocks (the check can fail). Last, the launcher with a
-recording stand-in for the launch: the counters reach the kernel only for ordered variants.
+itself runs under random schedules with few resident thread blocks (in-order dispatch), on the plain
+schedule and on DQ_LATE's (each addition a step late): it never deadlocks, and each query block sees its
+additions in the same order on every schedule. The same model with the key blocks in ascending grid order
+deadlocks (the check can fail). Last, the launcher with a recording stand-in for the launch: the counters
+reach the kernel only for ordered variants.
 """
 import random
 
@@ -104,10 +105,12 @@ def check_formulas(vis, bm):
             assert all(walks[x][0] < walks[n][0] for x in above)
 
 
-def run_protocol(vis, bm, group, resident, rng, ordered=True, max_ticks=200000):
+def run_protocol(vis, bm, group, resident, rng, ordered=True, late=False, max_ticks=200000):
     """Thread blocks of one (batch, kv head) dispatched in blockIdx order into `resident` slots; each tick a
-    random resident one advances one step if its turn has come. Returns the order of additions per (hq, m),
-    or None on a deadlock."""
+    random resident one advances one step if its turn has come. `late` (DQ_LATE): a step's addition waits
+    until the block has begun its next step (or left the loop), local work that waits for no other block,
+    modelled as a tick of its own before each addition. Returns the order of additions per (hq, m), or None
+    on a deadlock."""
     nblk = -(-vis.sk // BN)
     counters, order = {}, {}
     pending = list(range(nblk))  # blockIdx order
@@ -117,18 +120,22 @@ def run_protocol(vis, bm, group, resident, rng, ordered=True, max_ticks=200000):
             block = pending.pop(0)
             n, m_first, m_count = work_of(vis, bm, nblk, block, ordered)
             steps = [(h, m_first + i) for h in range(group) for i in range(m_count)]
-            running[block] = [n, steps, 0]
+            running[block] = [n, steps, 0, not late]  # the last: the next step begun (always, unless late)
         if not running:
             return order
-        ready = [b for b, (n, steps, i) in running.items()
-                 if i == len(steps) or counters.get(steps[i], 0) == turn_of(vis, bm, n, steps[i][1])]
+        ready = [b for b, (n, steps, i, begun) in running.items()
+                 if i == len(steps) or not begun or counters.get(steps[i], 0) == turn_of(vis, bm, n, steps[i][1])]
         if not ready:
             return None  # every resident block waits: deadlock
         block = rng.choice(ready)
-        n, steps, i = running[block]
+        n, steps, i, begun = running[block]
         if i == len(steps):
             del running[block]
             continue
+        if not begun:
+            running[block][3] = True
+            continue
+        running[block][3] = not late
         counters[steps[i]] = counters.get(steps[i], 0) + 1
         order.setdefault(steps[i], []).append(n)
         running[block][2] += 1
@@ -151,15 +158,16 @@ def test_turns_on_named_shapes():
         check_formulas(vis, bm)
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["plain", "dq_late"])
 @pytest.mark.parametrize("seed", range(4))
-def test_protocol_never_deadlocks_and_orders_each_query_block(seed):
+def test_protocol_never_deadlocks_and_orders_each_query_block(seed, late):
     rng = random.Random(100 + seed)
     for _ in range(12):
         vis, bm = random_problem(rng)
         group = rng.choice([1, 2, 3])
         first = None
         for resident in (1, 2, 3, 8):
-            order = run_protocol(vis, bm, group, resident, rng)
+            order = run_protocol(vis, bm, group, resident, rng, late=late)
             assert order is not None, "deadlock"
             for key, ns in order.items():
                 assert ns == sorted(ns, reverse=True)  # descending key blocks, each once
@@ -173,6 +181,7 @@ def test_model_catches_a_deadlock():
     one that is never launched (the reason the kernel reverses the grid under DQ_ORDERED)."""
     vis = Vis(1000, 1000, 0, UNBOUNDED, 0)
     assert run_protocol(vis, 64, 1, 2, random.Random(0), ordered=False) is None
+    assert run_protocol(vis, 64, 1, 2, random.Random(0), ordered=False, late=True) is None
 
 
 def test_launcher_passes_zeroed_turn_counters_only_to_ordered_variants(monkeypatch):
