@@ -12,7 +12,7 @@ blocks (`dq_ordered`, turn counters: bitwise-deterministic dq): its `check` also
 ``--configs splitwait`` the variant that waits for S^T and dP^T one at a time (`split_wait`, P^T computed
 while dP^T's GEMM runs; written offline 2026-12-02; on the H200 correct and not faster, NOTES.md "SPLIT_WAIT");
 ``--configs dqkeys`` the variant whose consumers split dQ by keys at d128 too (64 columns a pass) and stop
-meeting at a barrier every step (`dq_keys`, DQ_KEYS; on the H200 correct and 25 % slower at d128, NOTES.md);
+meeting at a barrier every step (`dq_keys`, DQ_KEYS; on the H200 correct and 25-32 % slower at d128, NOTES.md);
 ``--configs dqlate`` the variant that waits for a step's dQ GEMM and adds its result in the next step, under
 that step's S^T GEMM (`dq_late`, DQ_LATE; 0.99-1.08x the plain schedule on the H200, the table's since
 2026-12-03); ``--configs plain`` the schedule before it (the other knobs apply to that one).

@@ -52,7 +52,7 @@ class Variant(NamedTuple):
     split_wait: bool = False  # Hopper bwd, no score mod: S^T and dP^T waited for one at a time, P^T computed
                               # while dP^T's GEMM runs (opt-in, not dispatched: correct, not faster, NOTES.md)
     dq_keys: bool = False  # Hopper bwd, BM = 64: dQ split by keys at d128 too, no per-step barrier between the
-                           # consumers (DQ_KEYS; opt-in, not dispatched: correct, 25 % slower at d128, NOTES.md)
+                           # consumers (DQ_KEYS; opt-in, not dispatched: correct, 25-32 % slower at d128, NOTES.md)
     dq_late: bool = False  # Hopper bwd: a step's dQ GEMM waited for and added in the next step, under its
                            # S^T GEMM (DQ_LATE; the table's schedule since 2026-12-03, its ordered twins' too)
     atomic_dq: bool = True  # bwd: the dK pass adds dQ with fp32 atomics (False: the deterministic backward's

@@ -50,7 +50,7 @@
 #ifndef SPLIT_WAIT
 #define SPLIT_WAIT 0
 #endif
-// DQ_KEYS (opt-in, not dispatched: correct and 25 % slower at d128 on the H200, 2026-12-03): BM = 64 tiles
+// DQ_KEYS (opt-in, not dispatched: correct, 25-32 % slower at d128 on the H200, 2026-12-03): BM = 64 tiles
 // split dQ by keys at every head dim (d128 too: each consumer its own 64 keys x all 128 columns, twice the
 // reductions), and the consumers stop meeting at barrier 1 every step (each reads only its own dS^T rows).
 #ifndef DQ_KEYS
@@ -553,7 +553,7 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
       if constexpr (ORD) {
         red_dq_in_turn<HD, BM>(dq, p, vis, w, dq_sem, hq, m0, m0 + dq_row0 + warp_in_group * 16 + g,
                                dq_col0 + 2 * t4, consumer);
-      } else {  // (the loop as it was, not red_dq: the default build's code stays byte-identical)
+      } else {  // (the loop as it was, not red_dq: the plain schedule's builds stay byte-identical)
 #pragma unroll
         for (int c = 0; c < DQ_N / 8; ++c)
 #pragma unroll
