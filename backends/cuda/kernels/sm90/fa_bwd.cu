@@ -22,7 +22,8 @@
 // waited for at the next step's start and added to dq_accum (DQ_ORDERED: in its turn) while that step's
 // S^T GEMM runs. Without it (the plain schedule) dQ is waited for and added at the end of its own step;
 // SPLIT_WAIT (opt-in, on the plain schedule) runs the exponentials beside dP^T's GEMM. The
-// elementwise step is sm90/bwd_probs.cuh.
+// elementwise step is sm90/bwd_probs.cuh; the roles, dQ split, shared-memory layout, work split and the
+// knobs' defaults are sm90/bwd_roles.cuh.
 // A step whose tile is not wholly inside the causal/window band (tested for the whole thread
 // block, so ptxas keeps the wgmma pipeline) masks per element; the others skip the mask.
 // Rows and columns outside the tensors arrive from TMA as zeros; padded query rows get lse = +inf
@@ -41,135 +42,9 @@
 #include "sm90/wgmma_ops.cuh"
 #include "sm90/dq_order.cuh"
 #include "sm90/bwd_probs.cuh"
-
-#ifndef DQ_ORDERED
-#define DQ_ORDERED 0
-#endif
-// SPLIT_WAIT (opt-in, not dispatched): S^T and dP^T committed as two wgmma groups; P^T is computed
-// once S^T lands, while dP^T's GEMM still runs (the exponentials leave the critical path).
-#ifndef SPLIT_WAIT
-#define SPLIT_WAIT 0
-#endif
-// DQ_KEYS (opt-in, not dispatched: correct, 25-32 % slower at d128 on the H200, 2026-12-03): BM = 64 tiles
-// split dQ by keys at every head dim (d128 too: each consumer its own 64 keys x all 128 columns, twice the
-// reductions), and the consumers stop meeting at barrier 1 every step (each reads only its own dS^T rows).
-#ifndef DQ_KEYS
-#define DQ_KEYS 0
-#endif
-// DQ_LATE (the table's since 2026-12-03; 0.99-1.08x the plain schedule on the H200): the dQ GEMM of step
-// i is not waited for in step i; step i + 1 waits for it after its "full" barrier, issues S^T, adds dQ(i)
-// to dq_accum while S^T's GEMM runs, then issues dP^T; so the reductions leave the tensor cores' idle gap.
-#ifndef DQ_LATE
-#define DQ_LATE 0
-#endif
+#include "sm90/bwd_roles.cuh"
 
 namespace sm90_bwd {
-
-constexpr int BN = 128;             // keys per thread block: 2 consumer warpgroups x 64
-constexpr int THREADS = 384;        // producer + 2 consumers
-constexpr int CONSUMER_WARPS = 8;   // arrivals that hand a staged dQ part to the writer warp (DQ_BULK)
-// Every consumer thread arrives to free a Q/dO/lse/delta stage (not one lane per warp after a
-// __syncwarp: as valid, but compute-sanitizer's racecheck then reports the producer's next lse/delta
-// stores as racing with the other lanes' reads; H200, 2026-12-01).
-constexpr int CONSUMER_THREADS = 256;
-constexpr int FULL_ARRIVALS = 33;   // the producer's expect_tx arrival + its warp's 32 after the lse/delta copy
-constexpr int PRODUCER_REGS = 24;
-constexpr int CONSUMER_REGS = 240;  // 128 x 24 + 256 x 240 <= 64K registers
-constexpr int STEP_BARRIER = 1;     // named barriers: 1 both consumers (256); 2, 3 one consumer's epilogue
-                                    // (and, with DQ_KEYS, 6, 7 one consumer's step: ALONE_BARRIER)
-constexpr int STORE_BARRIER = 2;
-// DQ_ORDERED: 4 both consumers (256) around one query block's turn; 5 (split by keys) consumer 0's
-// additions before consumer 1's. (An enum: namespace-scope constants here become symbols of the cubin.)
-enum : int { ORDER_BARRIER = 4, BATON_BARRIER = 5, ALONE_BARRIER = 6 };
-
-// dQ = dS K split between the two consumers: BM = 128, by rows (each one 64-query dS^T panel,
-// N = HD); BM = 64, by columns where the head dim has two panels (each one 64-column K panel),
-// else by keys (each its own 64 keys, both adding to the same dQ elements).
-template <int HD, int BM>
-struct DqSplit {
-  enum { BY_ROWS, BY_COLUMNS, BY_KEYS };
-  static constexpr int HOW = BM == 128 ? BY_ROWS : HD >= 128 && !DQ_KEYS ? BY_COLUMNS : BY_KEYS;
-  // dQ columns per consumer and GEMM; DQ_KEYS takes a wide head dim's in 64-column passes (a 64 x 128 fp32
-  // accumulator beside dK's and dV's made ptxas serialise the wgmmas, C7512)
-  static constexpr int N = HOW == BY_COLUMNS ? HD / 2 : HOW == BY_KEYS && DQ_KEYS ? 64 : HD;
-  enum { PASSES = HD / N / (HOW == BY_COLUMNS ? 2 : 1) };  // (an enum: no symbol in the cubin)
-  static constexpr int KEYS = HOW == BY_KEYS ? 64 : BN;       // k extent of each consumer's GEMM
-  static_assert(N % 64 == 0, "MN-major wgmma operands are whole 64-column panels");
-  static_assert(BM == 64 || BM == 128, "a step is one or two dS^T panels");
-  static DEVI int row0(int consumer) { return HOW == BY_ROWS ? consumer * 64 : 0; }
-  static DEVI int col0(int consumer) { return HOW == BY_COLUMNS ? consumer * N : 0; }
-};
-
-// Byte offsets in the 1024-aligned dynamic shared memory (every tile a multiple of 1024 bytes).
-// DQB (dQ by bulk reduction): each consumer's 64 x N fp32 dQ part is staged in shared memory,
-// rows padded by 32 bytes (conflict-free float2 stores), for the writer warp's bulk reductions.
-template <int HD, int BM, bool DQB>
-struct Layout {
-  static constexpr int PANELS = HD / 64;          // 64 columns = 128 bytes, one swizzle atom wide
-  static constexpr int KV_PANEL = BN * 128;
-  static constexpr int KV_TILE = PANELS * KV_PANEL;
-  static constexpr int QD_PANEL = BM * 128;       // Q and dO
-  static constexpr int QD_TILE = PANELS * QD_PANEL;
-  static constexpr int DS_PANEL = BN * 128;       // dS^T: keys x 64 queries per panel
-  static constexpr int DS_TILE = (BM / 64) * DS_PANEL;
-  static constexpr int DQ_ROW = DqSplit<HD, BM>::N * 4 + 32;
-  static constexpr int DQ_PART = 64 * DQ_ROW;     // one consumer's
-  static constexpr int K = 0;
-  static constexpr int V = K + KV_TILE;
-  static constexpr int Q = V + KV_TILE;           // 2 stages
-  static constexpr int DO = Q + 2 * QD_TILE;      // 2 stages
-  static constexpr int DS = DO + 2 * QD_TILE;     // 2 buffers
-  static constexpr int DQ = DS + 2 * DS_TILE;     // 2 consumer parts (DQB only)
-  static constexpr int LSE = DQ + (DQB ? 2 * DQ_PART : 0);  // 2 stages x BM floats
-  static constexpr int DELTA = LSE + 2 * BM * 4;  // 2 stages x BM floats
-  static constexpr int BARRIERS = DELTA + 2 * BM * 4;
-  static constexpr int BYTES = BARRIERS + 8 * 7;
-  // barriers: kv_full, per stage full, empty, then dq_full, dq_empty (DQB)
-  static DEVI u32 kv_full(u32 base) { return base + BARRIERS; }
-  static DEVI u32 full(u32 base, int s) { return base + BARRIERS + 8 * (1 + s); }
-  static DEVI u32 empty(u32 base, int s) { return base + BARRIERS + 8 * (3 + s); }
-  static DEVI u32 dq_full(u32 base) { return base + BARRIERS + 8 * 5; }
-  static DEVI u32 dq_empty(u32 base) { return base + BARRIERS + 8 * 6; }
-};
-
-// What one thread block works on: keys [n0, n0 + BN) of kv head hk, and `steps` steps of
-// (query head, query block), query heads outer.
-struct Work {
-  int b, hk, n0;
-  int m_first, m_count;  // query blocks some query of which sees a key of the block
-  int steps;             // m_count x group
-};
-
-// Key block of thread block `block` inside its (batch, kv head): DQ_ORDERED runs them from the last
-// to the first (the order of its dQ turns: a thread block only waits for ones launched before it).
-template <bool ORD>
-DEVI int key_block_of(int rank, int nblk) {
-  return ORD ? nblk - 1 - rank : rank;
-}
-
-template <int BM, bool ORD>
-DEVI Work work_of(const AttnParams& p, const Visibility& vis) {
-  Work w;
-  const int nblk = p.num_blocks;
-  const int bhk = blockIdx.x / nblk;
-  // causal: the low key blocks, seen by most queries, first (DQ_ORDERED: last, see key_block_of)
-  const int nb = key_block_of<ORD>(blockIdx.x - bhk * nblk, nblk);
-  w.b = bhk / p.heads_kv;
-  w.hk = bhk - w.b * p.heads_kv;
-  w.n0 = nb * BN;
-  int q_lo, q_hi;
-  queries_seeing(vis, w.n0, min(w.n0 + BN, vis.seqlen_k) - 1, &q_lo, &q_hi);
-  w.m_first = q_lo / BM;
-  w.m_count = q_hi >= q_lo ? q_hi / BM - w.m_first + 1 : 0;
-  w.steps = w.m_count * p.group;
-  return w;
-}
-
-DEVI int step_head(const AttnParams& p, const Work& w, int i) { return w.hk * p.group + i / w.m_count; }
-template <int BM>
-DEVI int step_m0(const Work& w, int i) {
-  return (w.m_first + i % w.m_count) * BM;
-}
 
 // ---- producer (one warp) ----------------------------------------------------------------------
 template <int HD, int BM, bool DQB>
