@@ -78,8 +78,7 @@ def cases(head_dims=(128, 64)):
 # at a time (P^T computed while dP^T's GEMM runs), or with dQ split by keys and no per-step barrier, or
 # with each step's dQ waited for and added in the next step
 CONFIGS = ("table", "plain", "dqbulk", "ordered", "splitwait", "dqkeys", "dqlate")
-KNOBS = {"dqbulk": "dq_bulk", "splitwait": "split_wait", "dqkeys": "dq_keys",
-         "dqlate": "dq_late"}
+KNOBS = {"dqbulk": "dq_bulk", "splitwait": "split_wait", "dqkeys": "dq_keys", "dqlate": "dq_late"}
 RERUNS = 2  # ordered: runs after the first, each compared bit for bit with it
 
 
