@@ -153,7 +153,8 @@ for step in "$@"; do
     # options, e.g. "--show-backtrace no --print-limit 5000" (past the default 100 reports); not
     # "--kernel-name kns=attnx_" (2026-12-02: racecheck then fails every case with an internal sanitizer
     # error, and initcheck, blind to the uninstrumented torch kernels' writes, flags every read of delta
-    # and lse). SANITIZE_CASES adds conformance options, e.g. "--exclude FILE" (cases a run already cleared).
+    # and lse). SANITIZE_CASES adds conformance options, e.g. "--exclude FILE" (cases a run already cleared), or
+    # "--calls-only" (the backend's calls without the float64 oracle, whose cuBLAS kernels the tool slows most).
     sanitize-grid) run_step sanitize-grid 560 bash -c 'for tool in ${SANITIZE_TOOLS:-memcheck synccheck racecheck initcheck}; do
             for i in 0 1 2 3 4 5 6 7; do
                 timeout ${SANITIZE_SECONDS:-130} compute-sanitizer --tool $tool --report-api-errors no ${SANITIZE_EXTRA:-} \

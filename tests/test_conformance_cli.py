@@ -44,3 +44,19 @@ def test_summary_of_a_check_that_raised_after_measuring():
     r = Result(case=case, backend="naive", device="cpu", errors={"out": 1e-4, "dq": 2.0}, bounds={"out": 1e-3})
     r.fail("raised RuntimeError: boom")
     assert r.summary() == "fail: out 0.0001<=0.001, dq 2<=? | raised RuntimeError: boom"
+
+
+def test_calls_only_runs_the_calls_and_never_reports_a_pass(capsys, monkeypatch):
+    """`--calls-only` (for compute-sanitizer) makes the backend's calls and stops before the oracle: every
+    case `ran`, none `pass`; a backend that raises still fails."""
+    from attnx.conformance import check
+    monkeypatch.setattr(check, "_formula", lambda *a, **k: pytest.fail("the oracle ran"))
+    assert main(["--backend", "blocked", "--calls-only", "-k", "base:"]) == 0
+    out = capsys.readouterr().out
+    assert "[ran     ] base:" in out and "[pass" not in out and "0 pass, 0 fail" in out and "ran (calls only)" in out
+
+    def broken(*a, **k):
+        raise RuntimeError("kernel crashed")
+    monkeypatch.setattr(attnx, "attention", broken)
+    assert main(["--backend", "blocked", "--calls-only", "-k", "base:"]) == 1
+    assert "[fail" in capsys.readouterr().out

@@ -27,7 +27,7 @@ DETERMINISM_GROUPS = ("base", "gqa", "mask_grad")
 
 @dataclass
 class Result:
-    """What happened to one case: status "pass", "fail" or "declined"."""
+    """What happened to one case: status "pass", "fail", "declined", or "ran" (calls only, no oracle)."""
 
     case: Case
     backend: str
@@ -239,15 +239,20 @@ def declined_reasons_kind(backend, p) -> str:
     return "extra" if reasons and set(reasons) <= extra else "declarations"
 
 
-def run_case(backend_name: str, case: Case, device, *, allow_extra_declines: bool = False) -> Result:
-    """Run `case` on `backend_name` on `device`; never raises for a backend's failure."""
+def run_case(backend_name: str, case: Case, device, *, allow_extra_declines: bool = False,
+             calls_only: bool = False) -> Result:
+    """Run `case` on `backend_name` on `device`; never raises for a backend's failure.
+
+    `calls_only`: make the backend's calls (forward, backward, the layout and input checks) and stop
+    before the float64 oracle, status "ran": for compute-sanitizer, which instruments every kernel
+    of the process, the oracle's matmuls included, and spends most of a case's time in them."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # outputs report cuda:N; compare like with like
         device = torch.device("cuda", torch.cuda.current_device())
     result = Result(case, backend_name, str(device))
     start = time.perf_counter()
     try:
-        _run(result, backend_name, case, device, allow_extra_declines)
+        _run(result, backend_name, case, device, allow_extra_declines, calls_only)
     except Exception as err:  # noqa: BLE001 - a crash is a failure of the case
         tb = traceback.format_exception(type(err), err, err.__traceback__)
         result.fail(f"raised {type(err).__name__}: {err}".strip() + "\n" + "".join(tb[-3:]))
@@ -255,7 +260,8 @@ def run_case(backend_name: str, case: Case, device, *, allow_extra_declines: boo
     return result
 
 
-def _run(result: Result, backend_name: str, case: Case, device, allow_extra_declines: bool) -> None:
+def _run(result: Result, backend_name: str, case: Case, device, allow_extra_declines: bool,
+         calls_only: bool = False) -> None:
     backend = attnx.get_backend(backend_name)
     inputs, twin = make_inputs(case, device)
     views = inputs.views
@@ -287,6 +293,10 @@ def _run(result: Result, backend_name: str, case: Case, device, allow_extra_decl
     for name, leaf in inputs.leaves.items():
         if not torch.equal(torch.nan_to_num(leaf.detach()), torch.nan_to_num(snapshot[name])):
             result.fail(f"input {name} was modified")
+    if calls_only:
+        if result.status == "pass":
+            result.status = "ran"
+        return
 
     # -- the oracle: float64 copies of the same inputs ------------------------------------
     _, views64 = twin(torch.float64, case.grad)

@@ -67,10 +67,11 @@ def select_cases(backend_name: str, profile: str, *, max_seqlen: Optional[int] =
 
 
 def run_cases(backend_name: str, cases: Iterable[Case], device: str, *, allow_extra_declines: bool = False,
-              progress: Optional[Callable[[Result], None]] = None) -> list[Result]:
+              progress: Optional[Callable[[Result], None]] = None, calls_only: bool = False) -> list[Result]:
     results = []
     for case in cases:
-        result = run_case(backend_name, case, device, allow_extra_declines=allow_extra_declines)
+        result = run_case(backend_name, case, device, allow_extra_declines=allow_extra_declines,
+                          calls_only=calls_only)
         results.append(result)
         if progress is not None:
             progress(result)
