@@ -314,6 +314,40 @@ def kernel_forward(p, xv, built: Built):
     return launch_decode.forward(p, xv, splits=built.splits, variant=tile_variant(p, built.tile), poison=True)
 
 
+def fused_forward(p, xv, built: Built):
+    """--fused: the launcher's kernel (or the case's tile) with its splits merged by their last block
+    (`Variant.fused_combine`), beside the same kernel with the separate combine launch, whose bits it must
+    match (same arithmetic, same order); with splits, also replayed twice from a CUDA graph with its
+    outputs poisoned before each replay (the arrival counters must start at zero every time). The notes
+    land in `fused_forward.note`, which `check_one` prints."""
+    from attnx.backends.cuda import launch_decode
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    base = tile_variant(p, built.tile) or launch_decode.prepare(p, xv, sms, splits=built.splits).variant
+    fused = base._replace(fused_combine=True)
+    out, lse = launch_decode.forward(p, xv, splits=built.splits, variant=fused, poison=True)
+    ref_out, ref_lse = launch_decode.forward(p, xv, splits=built.splits, variant=base, poison=True)
+    same = torch.equal(out, ref_out) and torch.equal(lse.nan_to_num(), ref_lse.nan_to_num()) and \
+        torch.equal(lse.isnan(), ref_lse.isnan())
+    notes = ["bits same" if same else "bits DIFFER from the separate combine"]
+    if launch_decode.prepare(p, xv, sms, splits=built.splits, variant=fused).splits > 1:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            g_out, g_lse = launch_decode.forward(p, xv, splits=built.splits, variant=fused)
+        replays_ok = True
+        for _ in range(2):
+            g_out.fill_(float("nan"))
+            g_lse.fill_(float("nan"))
+            graph.replay()
+            replays_ok &= torch.equal(g_out, out) and torch.equal(g_lse.nan_to_num(), lse.nan_to_num())
+        notes.append("replays same" if replays_ok else "REPLAYS DIFFER")
+        same &= replays_ok
+    fused_forward.note = "  " + ", ".join(notes)
+    if not same:  # a failure of the case (run_numbered prints it)
+        raise AssertionError(fused_forward.note.strip())
+    return out, lse
+
+
 def stand_in_forward(p, xv, built: Built):
     """--self-test: the float32 formula in place of the kernel (out in the inputs' dtype)."""
     out, lse = formula(p, xv, built, torch.float32)
@@ -351,7 +385,8 @@ def check_one(case: Case, device, gen, forward, tile=None) -> tuple[bool, str]:
     lows = [formula(p, xv, built, cd) for cd in (xv.q.dtype, torch.float32)]
     good_o, text_o = _compare(out, ref[0], [lo[0] for lo in lows], "out")
     good_l, text_l = _compare(lse, ref[1], [lo[1] for lo in lows], "lse")
-    return good_o and good_l, f"{text_o}  {text_l}  splits {_splits(p, xv, built, device)}"
+    note = getattr(forward, "note", "")
+    return good_o and good_l, f"{text_o}  {text_l}  splits {_splits(p, xv, built, device)}{note}"
 
 
 def _splits(p, xv, built: Built, device) -> int:
@@ -467,11 +502,11 @@ def llama_decode_inputs(batches, lengths, max_gb: float, head_dim: int = 128):
             torch.cuda.empty_cache()
 
 
-def time_all(batches, lengths, max_gb: float) -> None:
+def time_all(batches, lengths, max_gb: float, fused: bool = False) -> None:
     """Llama-3-8B decode (32 q heads, 8 kv heads, d128, bf16, one new token): GB/s of K+V read once,
     kernels replayed from a CUDA graph (the Python call is not what is compared); `eager` rows add it.
     torch's kernels (SDPA's three, FlexAttention) run the dense problem: they take no cache lengths or
-    page tables."""
+    page tables. `fused`: the launcher's kernel with FUSED_COMBINE too, where keys are split."""
     import attnx
     from attnx.autograd import backend_view
     from attnx.backends.cuda import launch_decode
@@ -513,8 +548,13 @@ def time_all(batches, lengths, max_gb: float) -> None:
             p, x = make_call(q, kk, vv, grad_inputs=(), **kw)
             p = p._replace(arch=f"sm_{major}{minor}")
             xv = backend_view(p, x)
-            splits = launch_decode.prepare(p, xv, sms).splits
+            plan = launch_decode.prepare(p, xv, sms)
+            splits = plan.splits
             row(fmt, "cuda decode", lambda: launch_decode.forward(p, xv), splits)
+            twin = plan.variant._replace(fused_combine=True) if fused and not plan.variant.fused_combine else None
+            plan = None  # (it holds the pools)
+            if twin is not None and splits > 1:
+                row(fmt, "cuda decode +fused", lambda: launch_decode.forward(p, xv, variant=twin), splits)
             if fmt in ("dense", "paged16"):
                 row(fmt, "cuda decode", lambda: launch_decode.forward(p, xv), splits, eager=True)
             row(fmt, "triton", lambda: attnx.attention(q, kk, vv, backend="triton", **kw))
@@ -553,6 +593,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rep", type=int, default=50, help="sweep: ms of replays per timing (triton do_bench)")
     parser.add_argument("--splits", default="0",
                         help="sweep: key-split counts to time each candidate at (0 = the launcher's heuristic)")
+    parser.add_argument("--fused", action="store_true",
+                        help="check: every case on the launcher's kernel with FUSED_COMBINE (bits against the separate "
+                             "combine, graph replays); time: its rows beside the launcher's where keys are split")
     parser.add_argument("--dry-run", action="store_true",
                         help="sweep: list the candidates and the launcher's splits per row, on the CPU")
     args = parser.parse_args(argv)
@@ -566,7 +609,7 @@ def main(argv=None) -> int:
         if args.self_test or args.emulate:
             forward, device = (emulated_forward if args.emulate else stand_in_forward), "cpu"
         else:
-            forward, device = kernel_forward, "cuda"
+            forward, device = (fused_forward if args.fused else kernel_forward), "cuda"
         if tiles is None:
             return 0 if check(cases(), forward, device, args.only) else 1
         todo = tile_cases(args.head_dim, args.all_cases)
@@ -588,7 +631,7 @@ def main(argv=None) -> int:
         return 0 if sweep(tiles, batches, lengths, formats, args.max_gb, args.head_dim, args.rep, split_counts) else 1
     args.lengths = args.lengths or "4096,32768,131072"
     time_all(tuple(int(b) for b in args.batches.split(",")), tuple(int(s) for s in args.lengths.split(",")),
-             args.max_gb)
+             args.max_gb, fused=args.fused)
     return 0
 
 

@@ -187,8 +187,8 @@ def emulate(plan):
         lse_out[split, grow] = torch.where(empty, sink / log2e, (topk + torch.log2(full)) / log2e)
     if r["splits"] == 1:
         out, lse = rows_out[0], lse_out[0]
-    else:  # the combine (one block per row): the splits' parts and the sink, as attnx.merge
-        if plan.combine_grid != r["rows"]:
+    else:  # the combine (one block per row, or each program's last block): the splits' parts and the sink
+        if plan.combine_grid != (0 if plan.variant.fused_combine else r["rows"]):
             raise AssertionError(f"combine grid {plan.combine_grid} for {r['rows']} rows (one block per row)")
         l2 = lse_out * log2e
         sink = (mem["sinks"].float()[: r["heads_q"]] * log2e).repeat_interleave(sq).repeat(r["batch"]) \

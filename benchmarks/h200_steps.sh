@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda conformance-torch conformance-triton paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-sweep-paged decode-sanitize decode-sanitize-quick serving-flex decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait dqkeys dqlate ncu-bwd-sass replay recheck nan-fixup
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-sweep-paged decode-sanitize decode-sanitize-quick serving-flex decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait dqkeys dqlate ncu-bwd-sass replay recheck nan-fixup decode-fused
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -254,6 +254,13 @@ for step in "$@"; do
                 python3 -m benchmarks.cuda_decode check --only "bad index"
             run_step decode-synccheck 120 compute-sanitizer --tool synccheck --report-api-errors no \
                 python3 -m benchmarks.cuda_decode check --only mixed ;;
+    # FUSED_COMBINE (opt-in): every check case against float64, bitwise against the separate combine and over
+    # graph replays; memcheck on the split cases; then the time table with its rows beside the launcher's
+    decode-fused) run_step decode-fused-check 200 python3 -m benchmarks.cuda_decode check --fused
+            run_step decode-fused-memcheck 120 compute-sanitizer --tool memcheck --report-api-errors no \
+                python3 -m benchmarks.cuda_decode check --fused --only splits
+            [ -n "${passed[decode-fused-check]:-}" ] && run_step decode-fused-time 260 python3 -m \
+                benchmarks.cuda_decode time --fused ;;
     decode-cuda) run_step decode-cuda-check 150 python3 -m benchmarks.cuda_decode check
             [ -n "${passed[decode-cuda-check]:-}" ] && run_step decode-cuda-time 200 python3 -m benchmarks.cuda_decode time ;;
     *) echo "$step: unknown step" >> "$out/summary.txt" ;;

@@ -190,6 +190,30 @@ def test_page_batch_is_for_paged_pools_only(monkeypatch):
         assert all(("-DPAGE_BATCH=1" in v.defines()) is want for v in found)
 
 
+def test_fused_combine_launches_one_kernel_and_zeroes_its_arrival_counters():
+    """FUSED_COMBINE: no combine launch; part_lse carries one zeroed int32 counter per program after the
+    splits' rows (the kernel's `split_arrivals`); without splits nothing changes."""
+    from attnx.autograd import backend_view
+    from attnx.problem import make_call
+
+    q = torch.randn(2, 8, 1, 128).to(torch.bfloat16)
+    k = torch.randn(2, 2, 4096, 128).to(torch.bfloat16)
+    p, x = make_call(q, k, k, seqlens_k=torch.tensor([4000, 17], dtype=torch.int32), grad_inputs=())
+    p = p._replace(device_type="cuda", vendor="nvidia", arch="sm_90")
+    xv = backend_view(p, x)
+    base = launch_decode.prepare(p, xv, 132).variant
+    fused = base._replace(fused_combine=True)
+    assert "-DFUSED_COMBINE=1" in fused.defines() and "FUSED_COMBINE" not in " ".join(base.defines())
+    plan = launch_decode.prepare(p, xv, 132, variant=fused)
+    programs = plan.grid // plan.splits
+    assert plan.splits > 1 and programs == 2 * 2 and plan.combine is None and plan.combine_grid == 0
+    part_lse = next(t for t in plan.keep if t.data_ptr() == int(plan.args["part_lse"]))
+    assert part_lse.numel() == plan.splits * int(plan.args["rows"]) + programs
+    assert torch.equal(part_lse[-programs:].view(torch.int32), torch.zeros(programs, dtype=torch.int32))
+    one = launch_decode.prepare(p, xv, 132, variant=fused, splits=1)
+    assert one.splits == 1 and one.combine is None and int(one.args["part_lse"]) == 0
+
+
 def test_decode_compiles_without_spills_for_sm_90a():
     reason = _nvrtc()
     if reason:
@@ -203,6 +227,9 @@ def test_decode_compiles_without_spills_for_sm_90a():
     # PAGE_BATCH (page entries 32 blocks ahead) is opt-in: compiled here beside the table's paged variants
     assert not any(v.page_batch for v in found)
     found += [v._replace(page_batch=True) for v in found[2:4] + found[5:]]
+    # FUSED_COMBINE (the last split merges) is opt-in too: every table variant's twin
+    assert not any(v.fused_combine for v in found)
+    found += [v._replace(fused_combine=True) for v in found[:6]]
     for v in found:
         ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
                                                    (*nvrtc_options(v, "sm_90a"), "-Xptxas=-v"))

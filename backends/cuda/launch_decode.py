@@ -6,7 +6,9 @@ Checked on the H200 2026-12-02 (`python -m benchmarks.cuda_decode check`: 118/11
 clean; timings in benchmarks/results/h200-2026-12-02, backends/cuda/NOTES.md "Split-KV decode").
 
 One kernel block per (split, batch, kv head, 16 rows of the GQA group's heads x queries); splits
-write float32 partials that `attnx_decode_combine` merges (as `attnx.merge`; one block per row). The number of splits
+write float32 partials that `attnx_decode_combine` merges (as `attnx.merge`; one block per row), or, with
+`Variant.fused_combine`, the last block of each program to finish (arrival counters after the partial lse,
+zeroed here before each launch). The number of splits
 follows FlashAttention-2's heuristic (fill the GPU's block slots) from the SM count and the cache
 capacity, so a decoding loop over one cache keeps one decision. Everything the kernels index with
 is checked or clamped here or in the kernel: lengths to [0, capacity], page entries to
@@ -156,7 +158,7 @@ def pick_decode_variant(p, capacity: int, sm_count: int, splits: Optional[int]) 
 class DecodeLaunch(NamedTuple):
     """Everything one decode call launches, prepared on the host (no GPU needed to build it)."""
     variant: Variant
-    combine: Optional[Variant]  # None with one split
+    combine: Optional[Variant]  # None with one split or a fused combine
     args: np.void               # DecodeParams
     grid: int                   # decode blocks: splits x batch x kv heads x row chunks
     combine_grid: int
@@ -188,13 +190,14 @@ def _split_plan(p, variant: Variant, capacity: int, sm_count: int, splits: Optio
     unit = variant.warps * variant.block_n  # a split is whole rounds of every warp's key block
     if splits is None:
         splits = num_splits(programs, sm_count * blocks_per_sm(variant, p.capability), capacity, unit)
-    splits = max(1, min(int(splits), max(1, -(-capacity // unit)), max(1, MAX_GRID // max(programs, 1))))
+    splits = max(1, min(int(splits), MAX_SPLITS, max(1, -(-capacity // unit)), max(1, MAX_GRID // max(programs, 1))))
     split_keys = -(-max(capacity, 1) // splits)
     split_keys = -(-split_keys // unit) * unit
     splits = max(1, -(-capacity // split_keys))
     grid = splits * programs
     _check_grid(grid)
-    combine = decode_combine_variant(family_for(p.capability), p.dtype == torch.bfloat16) if splits > 1 else None
+    separate = splits > 1 and not variant.fused_combine
+    combine = decode_combine_variant(family_for(p.capability), p.dtype == torch.bfloat16) if separate else None
     return row_chunks, splits, split_keys, grid, combine
 
 
@@ -248,7 +251,12 @@ def prepare(p, x: Inputs, sm_count: int, *, splits: Optional[int] = None,
     row_chunks, splits, split_keys, grid, combine = _split_plan(p, variant, capacity, sm_count, splits)
     if splits > 1:
         part_o = torch.empty(splits, rows, dv, device=q.device, dtype=torch.float32)
-        part_lse = torch.empty(splits, rows, device=q.device, dtype=torch.float32)
+        if variant.fused_combine:  # + one arrival counter per program (int32 bits), zero before the launch
+            programs = grid // splits
+            part_lse = torch.empty(splits * rows + programs, device=q.device, dtype=torch.float32)
+            part_lse[splits * rows:].zero_()
+        else:
+            part_lse = torch.empty(splits, rows, device=q.device, dtype=torch.float32)
         keep += [part_o, part_lse]
         fields.update(part_o=part_o.data_ptr(), part_lse=part_lse.data_ptr())
 
@@ -263,7 +271,7 @@ def prepare(p, x: Inputs, sm_count: int, *, splits: Optional[int] = None,
         key_offset=p.key_offset if not align_br else 0, align_br=align_br, row_chunks=row_chunks, splits=splits,
         split_keys=split_keys, rows=rows, scale=p.scale, scale_log2=p.scale * 1.4426950408889634,
         softcap=p.softcap or 0.0, softcap_inv=1.0 / p.softcap if p.softcap else 0.0, **fields)
-    combine_grid = rows if combine is not None else 0  # one block per row
+    combine_grid = rows if combine is not None else 0  # one block per row (none when fused)
     return DecodeLaunch(variant, combine, args, grid, combine_grid, splits, out, out_k, lse, tuple(keep))
 
 

@@ -68,6 +68,8 @@ class Variant(NamedTuple):
                           # (`varlen_backward_variants`, both families); launch_varlen picks
     page_batch: bool = False  # decode, paged pools: a warp's page entries loaded 32 blocks ahead into lanes
                               # where a block lies inside one page (PAGE_BATCH, sm80/fa_decode.cu)
+    fused_combine: bool = False  # decode: with key splits, the last block of each (batch, kv head, rows) to
+                                 # finish merges the splits (FUSED_COMBINE, sm80/fa_decode.cu): no combine launch
 
     @property
     def threads(self) -> int:
@@ -123,6 +125,8 @@ class Variant(NamedTuple):
                 d["KV_SWIZZLE"] = 1
             if self.page_batch:
                 d["PAGE_BATCH"] = 1
+            if self.fused_combine:
+                d["FUSED_COMBINE"] = 1
         if self.hopper_forward:
             d.update(OVERLAP=int(self.overlap), PINGPONG=int(self.pingpong))
             del d["BLOCK_M"], d["NUM_WARPS"]  # fixed by the kernel's warpgroup roles
@@ -153,7 +157,8 @@ class Variant(NamedTuple):
             kv_ld = self.head_dim if self.kv_swizzle else ld
             ring = 16 * ld * 2 + 2 * self.warps * self.stages * self.block_n * kv_ld * 2
             merge = self.warps * 16 * ((self.head_dim + 4) * 4 + 8)
-            return max(ring, merge)
+            split_weights = 16 * 128 * 4 if self.fused_combine else 0  # FUSED_COMBINE: 16 rows x MAX_SPLITS
+            return max(ring, merge, split_weights)
         if self.kernel == "fwd":
             return (self.block_m + 2 * self.stages * self.block_n) * ld * 2
         if self.kernel == "bwd_dq":  # Q, dO; STAGES x (K, V)
@@ -177,6 +182,7 @@ class Variant(NamedTuple):
         stages += "+exactalpha" if self.exact_alpha else ""
         stages += "+swizzle" if self.kv_swizzle else ""
         stages += "+pagebatch" if self.page_batch else ""
+        stages += "+fused" if self.fused_combine else ""
         stages += "+varlen" if self.varlen else ""
         tile = f"d{self.head_dim} {self.block_m}x{self.block_n} w{self.warps}{stages}"
         return f"{self.family} {self.kernel} {tile} {flags}"
@@ -251,6 +257,9 @@ DECODE_KV_SWIZZLE = {"dense": (2, 3, 4), "cache": (2, 3, 4), "paged": (2, 3, 4)}
 # 4k). Correct on the H200 (126/126, memcheck and synccheck clean, conformance 190/190) but not measurably
 # faster (paged 16 / cache 0.90 -> 0.91 at B = 1, 4k; every other row within 1 %: run9/call4), so opt-in.
 DECODE_PAGE_BATCH = False
+# With key splits, the splits merged by the last block of each program to finish (FUSED_COMBINE) instead of a
+# second kernel (attnx_decode_combine, 3-5 us of a 17-270 us decode step on the H200). Written 2026-12-03.
+DECODE_FUSED_COMBINE = False
 COMBINE_WARPS = 4  # decode_combine: one block of 4 warps per row (fa_decode.cu COMBINE_WARPS)
 # head-dim tiles of each family's kernels ("bwd", the Ampere backward, runs on sm_90 for head dims
 # above 128 and in the deterministic mode, which uses its tiles for dK/dV and for the dQ pass)
@@ -413,7 +422,7 @@ def decode_variants(family: Family, bf16: bool, tile: int, score_mod: bool, max_
         v = Variant(family.name, "decode", bf16, tile, t.block_m, t.block_n, t.warps, score_mod, stages=t.stages,
                     exact_alpha=True, l2_prefetch=DECODE_L2_PREFETCH,
                     kv_swizzle=t.stages in DECODE_KV_SWIZZLE[kv_format],
-                    page_batch=DECODE_PAGE_BATCH and kv_format == "paged")
+                    page_batch=DECODE_PAGE_BATCH and kv_format == "paged", fused_combine=DECODE_FUSED_COMBINE)
         if v.shared_bytes() <= max_shared:
             found.append(v)
             if tile not in DECODE_TILES_BY_WAVE:
@@ -448,7 +457,7 @@ def decode_sweep_variants(tile: int, *, family: str = "sm90", bf16: bool = True,
     shared = max_shared if max_shared is not None else max(SHARED_PER_BLOCK[c] for c in covered_capabilities(fam))
     # compared without EXACT_ALPHA and padded, then all given `exact_alpha` (the sweep times each one's +ea and
     # +swz twins itself)
-    found = [v._replace(exact_alpha=False, kv_swizzle=False, page_batch=False)
+    found = [v._replace(exact_alpha=False, kv_swizzle=False, page_batch=False, fused_combine=False)
              for v in decode_variants(fam, bf16, tile, score_mod, shared)]
     for bn in DECODE_SWEEP_BLOCK_N:
         for w in DECODE_SWEEP_WARPS:
