@@ -76,9 +76,12 @@ def cases(head_dims=(128, 64)):
 # that with dQ added by the writer warp's bulk reductions, or
 # with dQ added in a fixed order of key blocks (bitwise-deterministic), or with S^T and dP^T waited for one
 # at a time (P^T computed while dP^T's GEMM runs), or with dQ split by keys and no per-step barrier, or
-# with each step's dQ waited for and added in the next step
-CONFIGS = ("table", "plain", "dqbulk", "ordered", "splitwait", "dqkeys", "dqlate")
-KNOBS = {"dqbulk": "dq_bulk", "splitwait": "split_wait", "dqkeys": "dq_keys", "dqlate": "dq_late"}
+# with each step's dQ waited for and added in the next step, or (`dqptr`, over the table) with those late
+# reductions from two row pointers formed once
+CONFIGS = ("table", "plain", "dqbulk", "ordered", "splitwait", "dqkeys", "dqlate", "dqptr")
+KNOBS = {"dqbulk": "dq_bulk", "splitwait": "split_wait", "dqkeys": "dq_keys", "dqlate": "dq_late",
+         "dqptr": "dq_pointers"}
+OVER_TABLE = {"dqptr"}  # knobs written for the table's schedule (DQ_LATE), applied over it
 RERUNS = 2  # ordered: runs after the first, each compared bit for bit with it
 
 
@@ -94,6 +97,8 @@ def _variant(p, config):
         return v
     if config == "ordered":  # what deterministic problems run
         return ordered_twin(v)
+    if config in OVER_TABLE:
+        return v._replace(**{KNOBS[config]: True}) if v.dq_late and not v.dq_ordered else v
     plain = v._replace(dq_late=False)
     return plain if config == "plain" else plain._replace(**{KNOBS[config]: True})
 

@@ -188,6 +188,25 @@ def test_hopper_backward_opt_in_knob_compiles_without_spills(field, define, flag
         assert " 0 bytes spill stores" in log and not any(c in log for c in WGMMA_SERIALISED), log
 
 
+def test_hopper_backward_dq_pointers_over_the_table_compile_without_spills():
+    """DQ_POINTERS (opt-in, over the table's DQ_LATE schedule; not for the ordered twins): every table tile with
+    and without score mod builds for sm_90a with no local memory and no wgmma serialisation."""
+    reason = _nvrtc_available()
+    if reason:
+        pytest.skip(reason)
+    table = [v for v in variants.requestable(families.HOPPER, (9, 0)) if v.hopper_backward and v.bf16
+             and not v.dq_ordered]
+    assert table and all(v.dq_late and not v.dq_pointers for v in table)
+    from attnx.backends.cuda.compile import kernel_source
+
+    for v in (t._replace(dq_pointers=True) for t in table):
+        assert "-DDQ_POINTERS=1" in v.defines() and "+dqptr" in v.label()
+        ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
+                                                   (*cuda_compile.nvrtc_options(v, "sm_90a"), "-Xptxas=-v"))
+        assert ok and size > 0, log[:2000]
+        assert " 0 bytes spill stores" in log and not any(c in log for c in WGMMA_SERIALISED), log
+
+
 def test_hopper_backward_dq_ordered_variants_compile():
     """The ordered dQ (turn counters per query block: bitwise-deterministic dq) that deterministic problems
     run: every table tile has its ordered twin among the requestable variants (so CI builds both), it builds

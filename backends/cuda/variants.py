@@ -55,6 +55,8 @@ class Variant(NamedTuple):
                            # consumers (DQ_KEYS; opt-in, not dispatched: correct, 25-32 % slower at d128, NOTES.md)
     dq_late: bool = False  # Hopper bwd: a step's dQ GEMM waited for and added in the next step, under its
                            # S^T GEMM (DQ_LATE; the table's schedule since 2026-12-03, its ordered twins' too)
+    dq_pointers: bool = False  # Hopper bwd, DQ_LATE (not ordered): the late dQ reductions from two row pointers
+                               # formed once (DQ_POINTERS; opt-in, written 2026-12-03)
     atomic_dq: bool = True  # bwd: the dK pass adds dQ with fp32 atomics (False: the deterministic backward's
                             # dK/dV kernel, whose dQ is the bwd_dq pass)
     exact_alpha: bool = False  # fwd (both families) and decode: the online softmax's rescale factor from the rounded
@@ -106,6 +108,8 @@ class Variant(NamedTuple):
                 d["DQ_KEYS"] = 1
             if self.dq_late:  # (likewise)
                 d["DQ_LATE"] = 1
+            if self.dq_pointers:  # (likewise)
+                d["DQ_POINTERS"] = 1
             d["SHARED_BYTES"] = self.shared_bytes()  # the kernel asserts its layout needs exactly this
         elif self.kernel == "bwd":
             d.update(DO_DV=int(self.do_dv), DO_DK=int(self.do_dk), DQ_ATOMIC=int(self.atomic_dq))
@@ -175,7 +179,7 @@ class Variant(NamedTuple):
         flags += "" if self.atomic_dq else " no-dq"
         flags += (" wgmma" + ("+dqbulk" if self.dq_bulk else "") + ("+ordered" if self.dq_ordered else "")
                   + ("+splitwait" if self.split_wait else "") + ("+dqkeys" if self.dq_keys else "")
-                  + ("+dqlate" if self.dq_late else "")
+                  + ("+dqlate" if self.dq_late else "") + ("+dqptr" if self.dq_pointers else "")
                   if self.hopper_backward else "")
         stages = f" s{self.stages}" if self.kernel in ("fwd", "bwd_dq", "decode") else ""
         stages += ("+overlap" if self.overlap else "") + ("+pingpong" if self.pingpong else "")

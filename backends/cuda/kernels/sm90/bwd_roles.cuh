@@ -25,6 +25,13 @@
 #ifndef DQ_LATE
 #define DQ_LATE 0
 #endif
+// DQ_POINTERS (with DQ_LATE; written 2026-12-03): the late reductions from two row pointers formed once (each
+// a constant offset, the row tests predicates). ncu (H200, run 11) put 29 % of the kernel's stall samples
+// in the late reductions, on long-scoreboard waits to rewrite an address register the previous `red`
+// still read, while dP^T's GEMM waited behind them to be issued.
+#ifndef DQ_POINTERS
+#define DQ_POINTERS 0
+#endif
 
 namespace sm90_bwd {
 

@@ -207,6 +207,43 @@ DEVI void red_dq(const float (&dq)[DQ_N / 2], float* dq_head, int dq_row, int ro
     }
 }
 
+// 8 vector reductions into one row at byte offsets 0, 32, ..., 224 from `row`, all or none (`in`): one asm
+// statement, so the pointer is formed once and nothing rewrites it under a pending `red` (ptxas, given
+// one `red` per statement, re-formed the address before each and branched around each).
+DEVI void red_row8_v2(float* row, bool in, const float (&v)[16]) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %1, 0;\n"
+      " @p red.global.add.v2.f32 [%0], {%2, %3};\n"
+      " @p red.global.add.v2.f32 [%0+32], {%4, %5};\n"
+      " @p red.global.add.v2.f32 [%0+64], {%6, %7};\n"
+      " @p red.global.add.v2.f32 [%0+96], {%8, %9};\n"
+      " @p red.global.add.v2.f32 [%0+128], {%10, %11};\n"
+      " @p red.global.add.v2.f32 [%0+160], {%12, %13};\n"
+      " @p red.global.add.v2.f32 [%0+192], {%14, %15};\n"
+      " @p red.global.add.v2.f32 [%0+224], {%16, %17};\n}\n"
+      ::"l"(row), "r"((int)in), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]), "f"(v[4]), "f"(v[5]), "f"(v[6]),
+      "f"(v[7]), "f"(v[8]), "f"(v[9]), "f"(v[10]), "f"(v[11]), "f"(v[12]), "f"(v[13]), "f"(v[14]), "f"(v[15])
+      : "memory");
+}
+
+// red_dq from the thread's two rows (row0, row0 + 8), each one pointer and one predicate (DQ_POINTERS, on
+// DQ_LATE's path between S^T's issue and dP^T's).
+template <int DQ_N>
+DEVI void red_dq_rows(const float (&dq)[DQ_N / 2], float* dq_head, int dq_row, int row0, int col0, int seqlen_q) {
+  static_assert(DQ_N == 64, "8 column pairs per row");
+  float top[16], bottom[16];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    top[2 * c] = dq[4 * c];
+    top[2 * c + 1] = dq[4 * c + 1];
+    bottom[2 * c] = dq[4 * c + 2];
+    bottom[2 * c + 1] = dq[4 * c + 3];
+  }
+  float* const row = dq_head + (long long)row0 * dq_row + col0;
+  red_row8_v2(row, row0 < seqlen_q, top);
+  red_row8_v2(row + 8LL * dq_row, row0 + 8 < seqlen_q, bottom);
+}
+
 // DQ_ORDERED: this consumer's dQ part of query block m0 / BM (head hq) added in its turn: after the key
 // blocks above this one that see the block; then the turn passes on. Both consumers call it together.
 template <int HD, int BM>
@@ -259,8 +296,12 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
                              dq_col0 + 2 * t4, consumer);
     } else {
       float* dq_head = p.dq_accum + ((long long)w.b * p.heads_q + late_hq) * p.seqlen_q * p.dq_row;
-      red_dq<DQ_N>(dq_late, dq_head, p.dq_row, late_m0 + dq_row0 + warp_in_group * 16 + g, dq_col0 + 2 * t4,
-                   vis.seqlen_q);
+      if constexpr (DQ_POINTERS)
+        red_dq_rows<DQ_N>(dq_late, dq_head, p.dq_row, late_m0 + dq_row0 + warp_in_group * 16 + g, dq_col0 + 2 * t4,
+                          vis.seqlen_q);
+      else
+        red_dq<DQ_N>(dq_late, dq_head, p.dq_row, late_m0 + dq_row0 + warp_in_group * 16 + g, dq_col0 + 2 * t4,
+                     vis.seqlen_q);
     }
   };
 #endif
@@ -522,6 +563,7 @@ extern "C" __global__ void __launch_bounds__(sm90_bwd::THREADS, 1)
   static_assert(!(DQ_ORDERED && DQ_BULK), "ordered dQ is written for the consumers' red path only");
   static_assert(!(DQ_KEYS && (DQ_ORDERED || DQ_BULK)), "DQ_KEYS is written for the plain red path only");
   static_assert(!(DQ_LATE && (DQ_BULK || DQ_KEYS || SPLIT_WAIT)), "DQ_LATE is written for the red path only");
+  static_assert(!DQ_POINTERS || (DQ_LATE && !DQ_ORDERED), "DQ_POINTERS changes DQ_LATE's atomic reductions only");
 #if !DQ_ORDERED
   int* const dq_sem = nullptr;
 #endif
