@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda conformance-torch conformance-triton paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-sweep-paged decode-sanitize decode-sanitize-quick serving-flex decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait dqkeys dqlate ncu-bwd-sass replay recheck nan-fixup decode-fused dqptr
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-sweep-paged decode-sanitize decode-sanitize-quick serving-flex decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait dqkeys dqlate ncu-bwd-sass replay recheck nan-fixup decode-fused dqptr dqtma
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -111,6 +111,14 @@ for step in "$@"; do
             [ -n "${passed[dqptr-check]:-}" ] && for tool in memcheck synccheck; do run_step dqptr-$tool 60 \
                 compute-sanitizer --tool $tool --report-api-errors no python3 -m benchmarks.hopper_backward check \
                 --configs dqptr --max-scores 20000; done ;;
+    # DQ_TMA over the table (the late dQ parts staged in shared memory, added by TMA reduce-adds): 148 cases,
+    # timing beside the table, memcheck and synccheck
+    dqtma) run_step dqtma-check 200 python3 -m benchmarks.hopper_backward check --configs dqtma
+            [ -n "${passed[dqtma-check]:-}" ] && run_step dqtma-time 170 python3 -m benchmarks.hopper_backward \
+                time --configs table,dqtma --seqlens 4096,16384
+            [ -n "${passed[dqtma-check]:-}" ] && for tool in memcheck synccheck; do run_step dqtma-$tool 60 \
+                compute-sanitizer --tool $tool --report-api-errors no python3 -m benchmarks.hopper_backward check \
+                --configs dqtma --max-scores 20000; done ;;
     # the dispatched Hopper backward (DQ_LATE) at d128 16k: the full profile's details and SASS source counters (csv)
     ncu-bwd-sass) run_step ncu-bwd-sass 230 bash -c 'ncu --clock-control none --set full --import-source yes \
                 -k attnx_bwd_wgmma -s 3 -c 1 -o "$0/logs/bwd" python3 -m benchmarks.hopper_backward time \

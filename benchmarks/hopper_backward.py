@@ -77,11 +77,12 @@ def cases(head_dims=(128, 64)):
 # with dQ added in a fixed order of key blocks (bitwise-deterministic), or with S^T and dP^T waited for one
 # at a time (P^T computed while dP^T's GEMM runs), or with dQ split by keys and no per-step barrier, or
 # with each step's dQ waited for and added in the next step, or (`dqptr`, over the table) with those late
-# reductions from two row pointers formed once
-CONFIGS = ("table", "plain", "dqbulk", "ordered", "splitwait", "dqkeys", "dqlate", "dqptr")
+# reductions from two row pointers formed once, or (`dqtma`, over the table) staged in shared memory and added
+# with TMA reduce-adds
+CONFIGS = ("table", "plain", "dqbulk", "ordered", "splitwait", "dqkeys", "dqlate", "dqptr", "dqtma")
 KNOBS = {"dqbulk": "dq_bulk", "splitwait": "split_wait", "dqkeys": "dq_keys", "dqlate": "dq_late",
-         "dqptr": "dq_pointers"}
-OVER_TABLE = {"dqptr"}  # knobs written for the table's schedule (DQ_LATE), applied over it
+         "dqptr": "dq_pointers", "dqtma": "dq_tma"}
+OVER_TABLE = {"dqptr", "dqtma"}  # knobs written for the table's schedule (DQ_LATE), applied over it
 RERUNS = 2  # ordered: runs after the first, each compared bit for bit with it
 
 

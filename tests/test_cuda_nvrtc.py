@@ -188,19 +188,22 @@ def test_hopper_backward_opt_in_knob_compiles_without_spills(field, define, flag
         assert " 0 bytes spill stores" in log and not any(c in log for c in WGMMA_SERIALISED), log
 
 
-def test_hopper_backward_dq_pointers_over_the_table_compile_without_spills():
-    """DQ_POINTERS (opt-in, over the table's DQ_LATE schedule; not for the ordered twins): every table tile with
-    and without score mod builds for sm_90a with no local memory and no wgmma serialisation."""
+@pytest.mark.parametrize("field,define,flag", [("dq_pointers", "DQ_POINTERS", "+dqptr"), ("dq_tma", "DQ_TMA", "+dqtma")])
+def test_hopper_backward_opt_ins_over_the_table_compile_without_spills(field, define, flag):
+    """DQ_POINTERS and DQ_TMA (opt-in, over the table's DQ_LATE schedule; not for the ordered twins): every
+    table tile with and without score mod builds for sm_90a with no local memory and no wgmma serialisation
+    (the kernel's static_assert holds its shared-memory layout to variants.py's count)."""
     reason = _nvrtc_available()
     if reason:
         pytest.skip(reason)
     table = [v for v in variants.requestable(families.HOPPER, (9, 0)) if v.hopper_backward and v.bf16
              and not v.dq_ordered]
-    assert table and all(v.dq_late and not v.dq_pointers for v in table)
+    assert table and all(v.dq_late and not getattr(v, field) for v in table)
     from attnx.backends.cuda.compile import kernel_source
 
-    for v in (t._replace(dq_pointers=True) for t in table):
-        assert "-DDQ_POINTERS=1" in v.defines() and "+dqptr" in v.label()
+    for v in (t._replace(**{field: True}) for t in table):
+        assert f"-D{define}=1" in v.defines() and flag in v.label()
+        assert v.shared_bytes() <= variants.max_shared((9, 0))
         ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
                                                    (*cuda_compile.nvrtc_options(v, "sm_90a"), "-Xptxas=-v"))
         assert ok and size > 0, log[:2000]

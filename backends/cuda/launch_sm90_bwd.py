@@ -27,7 +27,7 @@ from .families import nvrtc_arch
 from .launch import (_check_grid, _common, _device_index, _launch, backward_grads, backward_operands, family_tile,
                      score_mod)
 from .params import pack_params
-from .tensor_maps import tensor_map
+from .tensor_maps import MAP_DTYPE, dq_reduce_map, tensor_map
 from .variants import Variant, hopper_backward_variant, max_shared
 
 STORE_ROWS = 64  # each consumer warpgroup stores its 64 keys of dk and dv
@@ -73,6 +73,8 @@ def backward(p, x: Inputs, out, lse, dout, variant: Variant | None = None, *, po
         turns = torch.zeros(p.batch * p.heads_q * math.ceil(p.seqlen_q / variant.block_m), device=b.q.device,
                             dtype=torch.int32)
         extra = (np.uint64(turns.data_ptr()),)
+    if variant.dq_tma:  # the late dQ parts added through TMA reduce-adds (no query: a map never read)
+        extra = (dq_reduce_map(dq_accum) if dq_accum.numel() else np.zeros((), MAP_DTYPE)[()],)
     if grid > 0:
         kernel = get_kernel(variant, nvrtc_arch(p.capability), device_index)
         _launch(kernel, grid, variant.threads, variant.shared_bytes(), (args, *maps, *extra), device_index)

@@ -88,3 +88,31 @@ def tensor_map(t: torch.Tensor, rows: int):
             _cache.pop(next(iter(_cache)))
         _cache[key] = arg
     return arg
+
+
+DQ_BOX = (32, 64)  # DQ_TMA's fp32 boxes: 32 columns (128 bytes, one swizzle span) x 64 rows
+
+
+def dq_reduce_map(dq_accum: torch.Tensor):
+    """The fp32 map the Hopper backward's DQ_TMA adds dQ parts through: contiguous (B, H, S, D) `dq_accum` as
+    dims (D, S, B * H), boxes of 32 columns x 64 rows, 128-byte swizzle. Rows past S are not written."""
+    from cuda.bindings import driver
+
+    b, h, s, d = dq_accum.shape
+    if not dq_accum.is_contiguous() or dq_accum.dtype != torch.float32:
+        raise ValueError("dq_accum must be contiguous float32")
+    dims = [driver.cuuint64_t(int(n)) for n in (d, max(s, 1), max(b * h, 1))]
+    strides = [driver.cuuint64_t(int(n)) for n in (d * 4, max(s, 1) * d * 4)]
+    box = [driver.cuuint32_t(n) for n in (*DQ_BOX, 1)]
+    unit = [driver.cuuint32_t(1)] * 3
+    err, encoded = driver.cuTensorMapEncodeTiled(
+        driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, dq_accum.data_ptr(), dims, strides, box, unit,
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for dq_accum of shape {tuple(dq_accum.shape)}")
+    record = np.zeros((), MAP_DTYPE)
+    record["words"] = np.array([int(w) for w in encoded.opaque], dtype=np.uint64)
+    return record[()]

@@ -57,6 +57,8 @@ class Variant(NamedTuple):
                            # S^T GEMM (DQ_LATE; the table's schedule since 2026-12-03, its ordered twins' too)
     dq_pointers: bool = False  # Hopper bwd, DQ_LATE (not ordered): the late dQ reductions from two row pointers
                                # formed once (DQ_POINTERS; opt-in, written 2026-12-03)
+    dq_tma: bool = False  # Hopper bwd, DQ_LATE (not ordered): the late dQ part staged in shared memory and added
+                          # with TMA reduce-adds by one thread (DQ_TMA; opt-in, written 2026-12-03)
     atomic_dq: bool = True  # bwd: the dK pass adds dQ with fp32 atomics (False: the deterministic backward's
                             # dK/dV kernel, whose dQ is the bwd_dq pass)
     exact_alpha: bool = False  # fwd (both families) and decode: the online softmax's rescale factor from the rounded
@@ -110,6 +112,8 @@ class Variant(NamedTuple):
                 d["DQ_LATE"] = 1
             if self.dq_pointers:  # (likewise)
                 d["DQ_POINTERS"] = 1
+            if self.dq_tma:  # (likewise)
+                d["DQ_TMA"] = 1
             d["SHARED_BYTES"] = self.shared_bytes()  # the kernel asserts its layout needs exactly this
         elif self.kernel == "bwd":
             d.update(DO_DV=int(self.do_dv), DO_DK=int(self.do_dk), DQ_ATOMIC=int(self.atomic_dq))
@@ -145,6 +149,7 @@ class Variant(NamedTuple):
             panels, bm, bn = self.head_dim // 64, self.block_m, self.block_n
             dq_columns = self.head_dim // 2 if (bm == 64 and self.head_dim >= 128) else self.head_dim
             dq_parts = 2 * 64 * (4 * dq_columns + 32) if self.dq_bulk else 0
+            dq_parts += 2 * 64 * 64 * 4 if self.dq_tma else 0  # two 64 x 64 fp32 parts, swizzled, for TMA
             return (2 * panels * bn * 128 + 4 * panels * bm * 128 + 2 * (bm // 64) * bn * 128 + dq_parts + 16 * bm
                     + 8 * 7 + 1024)
         if self.hopper_forward:
@@ -180,6 +185,7 @@ class Variant(NamedTuple):
         flags += (" wgmma" + ("+dqbulk" if self.dq_bulk else "") + ("+ordered" if self.dq_ordered else "")
                   + ("+splitwait" if self.split_wait else "") + ("+dqkeys" if self.dq_keys else "")
                   + ("+dqlate" if self.dq_late else "") + ("+dqptr" if self.dq_pointers else "")
+                  + ("+dqtma" if self.dq_tma else "")
                   if self.hopper_backward else "")
         stages = f" s{self.stages}" if self.kernel in ("fwd", "bwd_dq", "decode") else ""
         stages += ("+overlap" if self.overlap else "") + ("+pingpong" if self.pingpong else "")

@@ -32,6 +32,12 @@
 #ifndef DQ_POINTERS
 #define DQ_POINTERS 0
 #endif
+// DQ_TMA (with DQ_LATE; written 2026-12-03): the late dQ part goes to shared memory (two 64 x 32 fp32 boxes,
+// 128-byte swizzle) and one thread adds it to dq_accum with TMA reduce-adds, so the consumers issue 16
+// shared stores instead of 16 global reductions between S^T's issue and dP^T's (FlashAttention-3's dQ path).
+#ifndef DQ_TMA
+#define DQ_TMA 0
+#endif
 
 namespace sm90_bwd {
 
@@ -50,7 +56,8 @@ constexpr int STEP_BARRIER = 1;     // named barriers: 1 both consumers (256); 2
 constexpr int STORE_BARRIER = 2;
 // DQ_ORDERED: 4 both consumers (256) around one query block's turn; 5 (split by keys) consumer 0's
 // additions before consumer 1's. (An enum: namespace-scope constants here become symbols of the cubin.)
-enum : int { ORDER_BARRIER = 4, BATON_BARRIER = 5, ALONE_BARRIER = 6 };
+// DQ_TMA: 8, 9 one consumer's dQ staging (free, then written).
+enum : int { ORDER_BARRIER = 4, BATON_BARRIER = 5, ALONE_BARRIER = 6, DQ_STAGE_BARRIER = 8 };
 
 // dQ = dS K split between the two consumers: BM = 128, by rows (each one 64-query dS^T panel,
 // N = HD); BM = 64, by columns where the head dim has two panels (each one 64-column K panel),
@@ -90,7 +97,11 @@ struct Layout {
   static constexpr int DO = Q + 2 * QD_TILE;      // 2 stages
   static constexpr int DS = DO + 2 * QD_TILE;     // 2 buffers
   static constexpr int DQ = DS + 2 * DS_TILE;     // 2 consumer parts (DQB only)
-  static constexpr int LSE = DQ + (DQB ? 2 * DQ_PART : 0);  // 2 stages x BM floats
+  // DQ_TMA: 2 consumer parts of two boxes of 64 rows x 32 fp32 columns (128-byte swizzle, 1024-aligned).
+  // (An enum: each static constexpr member is a symbol of the cubin, and the builds without DQ_TMA keep
+  // their bytes.)
+  enum : int { DQT_BOX = 64 * 32 * 4, DQT_PART = DQ_TMA ? 2 * DQT_BOX : 0, DQT = DQ + (DQB ? 2 * DQ_PART : 0) };
+  static constexpr int LSE = DQT + 2 * DQT_PART;  // 2 stages x BM floats
   static constexpr int DELTA = LSE + 2 * BM * 4;  // 2 stages x BM floats
   static constexpr int BARRIERS = DELTA + 2 * BM * 4;
   static constexpr int BYTES = BARRIERS + 8 * 7;

@@ -244,6 +244,23 @@ DEVI void red_dq_rows(const float (&dq)[DQ_N / 2], float* dq_head, int dq_row, i
   red_row8_v2(row + 8LL * dq_row, row0 + 8 < seqlen_q, bottom);
 }
 
+// DQ_TMA: this consumer's 64 x 64 dQ part (accumulator layout) into its two staging boxes of 64 rows x 32 fp32
+// columns, each row 128 bytes with its 16-byte chunks XOR-ed by the row's low 3 bits (TMA's 128-byte swizzle).
+template <int DQ_N>
+DEVI void stage_dq_boxes(const float (&dq)[DQ_N / 2], u32 stage, int warp_in_group, int lane) {
+  static_assert(DQ_N == 64, "two 32-column boxes per consumer part");
+  const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int c = 0; c < 8; ++c)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = warp_in_group * 16 + g + 8 * half, col = 8 * c + 2 * t4;
+      const int box = col >> 5, cb = col & 31;
+      const u32 addr = stage + box * (64 * 32 * 4) + r * 128 + ((((cb >> 2) ^ (r & 7))) << 4) + (cb & 3) * 4;
+      st_shared_v2(addr, dq[4 * c + 2 * half], dq[4 * c + 2 * half + 1]);
+    }
+}
+
 // DQ_ORDERED: this consumer's dQ part of query block m0 / BM (head hq) added in its turn: after the key
 // blocks above this one that see the block; then the turn passes on. Both consumers call it together.
 template <int HD, int BM>
@@ -270,7 +287,7 @@ DEVI void red_dq_in_turn(const float (&dq)[DqSplit<HD, BM>::N / 2], const AttnPa
 
 template <bool BF16, int HD, int BM, bool MOD, bool DQB, bool ORD>
 DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32 base, const float* lse_s,
-                  const float* delta_s, const TmaMap* tdk, const TmaMap* tdv, int* dq_sem) {
+                  const float* delta_s, const TmaMap* tdk, const TmaMap* tdv, const TmaMap* tdq, int* dq_sem) {
   using L = Layout<HD, BM, DQB>;
   using Split = DqSplit<HD, BM>;
   constexpr int DQ_N = Split::N;
@@ -291,7 +308,24 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
   int late_hq = 0, late_m0 = 0;
   const auto add_late_dq = [&]() {  // (after a wait for its GEMM)
     fence_regs(dq_late);
-    if constexpr (ORD) {
+    if constexpr (DQ_TMA) {
+      // the staging is free once the previous reduce-adds have read it (the issuer waits, the barrier tells
+      // the others); written, made visible to the async proxy, then one thread adds both boxes
+      const u32 stage = base + L::DQT + consumer * L::DQT_PART;
+      const bool issuer = warp_in_group == 0 && lane == 0;
+      if (issuer) tma_store_wait_read();
+      named_sync(DQ_STAGE_BARRIER + consumer, 128);
+      stage_dq_boxes<DQ_N>(dq_late, stage, warp_in_group, lane);
+      fence_async_shared();
+      named_sync(DQ_STAGE_BARRIER + consumer, 128);
+      if (issuer) {
+#pragma unroll
+        for (int box = 0; box < 2; ++box)
+          tma_reduce_add_3d(tdq, stage + box * L::DQT_BOX, dq_col0 + 32 * box, late_m0 + dq_row0,
+                            w.b * p.heads_q + late_hq);
+        tma_store_commit();
+      }
+    } else if constexpr (ORD) {
       red_dq_in_turn<HD, BM>(dq_late, p, vis, w, dq_sem, late_hq, late_m0, late_m0 + dq_row0 + warp_in_group * 16 + g,
                              dq_col0 + 2 * t4, consumer);
     } else {
@@ -512,7 +546,8 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
 
 template <bool BF16, int HD, int BM, bool MOD, bool DQB, bool ORD>
 DEVI void attention_backward(const AttnParams& p, const TmaMap* tq, const TmaMap* tk, const TmaMap* tv,
-                             const TmaMap* tdo, const TmaMap* tdk, const TmaMap* tdv, int* dq_sem) {
+                             const TmaMap* tdo, const TmaMap* tdk, const TmaMap* tdv, const TmaMap* tdq,
+                             int* dq_sem) {
   using L = Layout<HD, BM, DQB>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const u32 raw = smem_u32(smem_raw);
@@ -542,19 +577,23 @@ DEVI void attention_backward(const AttnParams& p, const TmaMap* tq, const TmaMap
       if (threadIdx.x >= 32 && threadIdx.x < 64 && w.steps > 0) write_dq<HD, BM>(p, w, base);
   } else {
     regs_alloc<CONSUMER_REGS>();
-    consume<BF16, HD, BM, MOD, DQB, ORD>(p, w, vis, base, lse_s, delta_s, tdk, tdv, dq_sem);
+    consume<BF16, HD, BM, MOD, DQB, ORD>(p, w, vis, base, lse_s, delta_s, tdk, tdv, tdq, dq_sem);
   }
 }
 
 }  // namespace sm90_bwd
 
-// DQ_ORDERED adds one argument: the turn counters, int32 (B, Hq, ceil(Sq / BLOCK_M)), zeroed.
+// DQ_ORDERED adds one argument: the turn counters, int32 (B, Hq, ceil(Sq / BLOCK_M)), zeroed; DQ_TMA one: the
+// fp32 map of dq_accum (dims HD, Sq, B * Hq; boxes 32 x 64; 128-byte swizzle).
 extern "C" __global__ void __launch_bounds__(sm90_bwd::THREADS, 1)
     attnx_bwd_wgmma(const AttnParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
                     const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tdo,
                     const __grid_constant__ TmaMap tdk, const __grid_constant__ TmaMap tdv
 #if DQ_ORDERED
                     , int* dq_sem
+#endif
+#if DQ_TMA
+                    , const __grid_constant__ TmaMap tdq
 #endif
     ) {
   static_assert(BLOCK_N == sm90_bwd::BN, "the kernel's roles fix 128 keys per block");
@@ -564,9 +603,15 @@ extern "C" __global__ void __launch_bounds__(sm90_bwd::THREADS, 1)
   static_assert(!(DQ_KEYS && (DQ_ORDERED || DQ_BULK)), "DQ_KEYS is written for the plain red path only");
   static_assert(!(DQ_LATE && (DQ_BULK || DQ_KEYS || SPLIT_WAIT)), "DQ_LATE is written for the red path only");
   static_assert(!DQ_POINTERS || (DQ_LATE && !DQ_ORDERED), "DQ_POINTERS changes DQ_LATE's atomic reductions only");
+  static_assert(!DQ_TMA || (DQ_LATE && !DQ_ORDERED && !DQ_POINTERS), "DQ_TMA replaces DQ_LATE's atomic reductions");
 #if !DQ_ORDERED
   int* const dq_sem = nullptr;
 #endif
+#if DQ_TMA
+  const TmaMap* const dq_map = &tdq;
+#else
+  const TmaMap* const dq_map = nullptr;
+#endif
   sm90_bwd::attention_backward<IS_BF16 != 0, HEAD_DIM, BLOCK_M, SCORE_MOD != 0, DQ_BULK != 0, DQ_ORDERED != 0>(
-      p, &tq, &tk, &tv, &tdo, &tdk, &tdv, dq_sem);
+      p, &tq, &tk, &tv, &tdo, &tdk, &tdv, dq_map, dq_sem);
 }

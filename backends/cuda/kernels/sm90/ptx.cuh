@@ -57,6 +57,12 @@ DEVI void tma_store_4d(const TmaMap* map, u32 src, int c0, int c1, int c2, int c
                "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
                : "memory");
 }
+// `src` (one box of the fp32 map, 1024-aligned, laid out with the map's swizzle) added element-wise to global
+// memory at (c0, c1, c2) by TMA's reduce-add; elements outside the map's dims are not written.
+DEVI void tma_reduce_add_3d(const TmaMap* map, u32 src, int c0, int c1, int c2) {
+  asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n"
+               ::"l"((u64)map), "r"(src), "r"(c0), "r"(c1), "r"(c2) : "memory");
+}
 DEVI void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Wait until the committed stores have read their shared memory (it may then be reused or freed).
 DEVI void tma_store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
