@@ -187,7 +187,8 @@ def test_model_catches_a_deadlock():
 def test_launcher_passes_zeroed_turn_counters_only_to_ordered_variants(monkeypatch):
     """launch_sm90_bwd.backward with a recording stand-in for the launch (CPU tensors, no GPU): an ordered
     variant gets one more argument, the address of zeroed int32 counters, one per (batch, query head, query
-    block of BM); the table's variant keeps the 7 arguments of its signature."""
+    block of BM); without DQ_TMA the table's variant keeps the 7 arguments of its signature, with it one more:
+    the fp32 map of dq_accum."""
     import torch
 
     from attnx.autograd import backend_view
@@ -216,6 +217,7 @@ def test_launcher_passes_zeroed_turn_counters_only_to_ordered_variants(monkeypat
 
     monkeypatch.setattr(torch, "zeros", recording_zeros)
     monkeypatch.setattr(launcher, "tensor_map", lambda t, rows: ("map", rows))
+    monkeypatch.setattr(launcher, "dq_reduce_map", lambda t: ("dq map", tuple(t.shape), t.dtype))
     monkeypatch.setattr(launcher, "get_kernel", lambda variant, arch, device_index: variant)
     monkeypatch.setattr(launcher, "_device_index", lambda t: 0)
     monkeypatch.setattr(launcher, "_launch", launch)
@@ -225,5 +227,11 @@ def test_launcher_passes_zeroed_turn_counters_only_to_ordered_variants(monkeypat
     assert table is not None and not table.dq_ordered and table.block_m == 128
     launcher.backward(p, xv, out, lse, dout, ordered_twin(table))
     assert seen == {"grid": 2 * 2 * 8, "args": 8, "counters": [(2 * 4 * 3, 0)]}
-    launcher.backward(p, xv, out, lse, dout, table)
-    assert seen["args"] == 7 and seen["counters"] == []
+    def last_arg(kernel, grid, threads, smem, args, device_index):
+        seen.update(args=len(args), last=args[-1])
+
+    monkeypatch.setattr(launcher, "_launch", last_arg)
+    for variant in (table._replace(dq_tma=False), table._replace(dq_tma=True)):  # DQ_TMA: + the dq_accum map
+        launcher.backward(p, xv, out, lse, dout, variant)
+        assert seen["args"] == 7 + variant.dq_tma
+        assert (seen["last"] == ("dq map", (2, 4, 300, 64), torch.float32)) == variant.dq_tma
