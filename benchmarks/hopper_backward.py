@@ -98,9 +98,9 @@ def _variant(p, config):
         return v
     if config == "ordered":  # what deterministic problems run
         return ordered_twin(v)
-    if config in OVER_TABLE:
-        return v._replace(**{KNOBS[config]: True}) if v.dq_late and not v.dq_ordered else v
-    plain = v._replace(dq_late=False)
+    if config in OVER_TABLE:  # (each replaces the table's late reductions: the others' off)
+        return v._replace(dq_tma=False, **{KNOBS[config]: True}) if v.dq_late and not v.dq_ordered else v
+    plain = v._replace(dq_late=False, dq_tma=False)
     return plain if config == "plain" else plain._replace(**{KNOBS[config]: True})
 
 

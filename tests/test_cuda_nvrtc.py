@@ -143,7 +143,7 @@ def test_hopper_backward_dq_bulk_knob_compiles():
     if reason:
         pytest.skip(reason)
     shared = variants.max_shared((9, 0))
-    todo = [v._replace(dq_late=False, dq_bulk=True) for v in variants.requestable(families.HOPPER, (9, 0))
+    todo = [v._replace(dq_late=False, dq_tma=False, dq_bulk=True) for v in variants.requestable(families.HOPPER, (9, 0))
             if v.hopper_backward and v.bf16 and not v.score_mod and not v.dq_ordered]
     assert todo
     for v in todo:
@@ -179,7 +179,7 @@ def test_hopper_backward_opt_in_knob_compiles_without_spills(field, define, flag
     assert table and all((f"-D{define}=1" in v.defines()) == (field == "dq_late") for v in found)
     from attnx.backends.cuda.compile import kernel_source
 
-    todo = [t._replace(**{"dq_late": False, field: True}) for t in table]
+    todo = [t._replace(**{"dq_late": False, "dq_tma": False, field: True}) for t in table]
     for v in todo + (found if field == "dq_late" else []):
         assert f"-D{define}=1" in v.defines() and flag in v.label()
         ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
@@ -198,10 +198,10 @@ def test_hopper_backward_opt_ins_over_the_table_compile_without_spills(field, de
         pytest.skip(reason)
     table = [v for v in variants.requestable(families.HOPPER, (9, 0)) if v.hopper_backward and v.bf16
              and not v.dq_ordered]
-    assert table and all(v.dq_late and not getattr(v, field) for v in table)
+    assert table and all(v.dq_late and v.dq_tma for v in table)  # DQ_TMA: the table's since 2026-12-03
     from attnx.backends.cuda.compile import kernel_source
 
-    for v in (t._replace(**{field: True}) for t in table):
+    for v in (t._replace(**{"dq_tma": False, field: True}) for t in table):
         assert f"-D{define}=1" in v.defines() and flag in v.label()
         assert v.shared_bytes() <= variants.max_shared((9, 0))
         ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,

@@ -410,14 +410,15 @@ def hopper_backward_variant(family: Family, bf16: bool, tile: int, score_mod: bo
         return None
     block_m = HOPPER_BACKWARD_TILES[tile][int(score_mod)]
     # dq_late: 0.99-1.08x the plain schedule's speed (H200, 2026-12-03, NOTES.md "DQ_LATE")
-    v = Variant(family.name, "bwd_wgmma", bf16, tile, block_m, HOPPER_BACKWARD_KEYS, 12, score_mod, dq_late=True)
+    v = Variant(family.name, "bwd_wgmma", bf16, tile, block_m, HOPPER_BACKWARD_KEYS, 12, score_mod, dq_late=True,
+                dq_tma=True)
     return v if v.shared_bytes() <= max_shared else None
 
 
 def ordered_twin(v: Variant) -> Variant:
     """The deterministic twin of a Hopper backward variant: dQ added in a fixed order of key blocks (on the
     same schedule: with DQ_LATE a step's dQ takes its turn during the next step)."""
-    return v._replace(dq_ordered=True)
+    return v._replace(dq_ordered=True, dq_tma=False)  # (its additions wait for turns: atomic reductions)
 
 
 def decode_variants(family: Family, bf16: bool, tile: int, score_mod: bool, max_shared: int,
