@@ -14,8 +14,10 @@ while dP^T's GEMM runs; written offline 2026-12-02; on the H200 correct and not 
 ``--configs dqkeys`` the variant whose consumers split dQ by keys at d128 too (64 columns a pass) and stop
 meeting at a barrier every step (`dq_keys`, DQ_KEYS; on the H200 correct and 25-32 % slower at d128, NOTES.md);
 ``--configs dqlate`` the variant that waits for a step's dQ GEMM and adds its result in the next step, under
-that step's S^T GEMM (`dq_late`, DQ_LATE; 0.99-1.08x the plain schedule on the H200, the table's since
-2026-12-03); ``--configs plain`` the schedule before it (the other knobs apply to that one).
+that step's S^T GEMM (`dq_late`, DQ_LATE; 0.99-1.08x the plain schedule on the H200); ``--configs plain``
+the schedule before it (the other knobs apply to that one); ``--configs dqptr`` and ``dqtma`` change DQ_LATE's
+reductions (two row pointers: not faster; TMA reduce-adds from shared memory: 1.07-1.20x, the table's since
+2026-12-03 with DQ_LATE, so ``dqlate`` is the table without it).
 `check` prints one numbered line per case (the worst error of each gradient beside its bound),
 continues past failures, stops only when the CUDA context is lost, ends with a summary of the
 failures and exits 1 on any. The bound is the one of tests/test_cuda_gpu.py: twice the error
@@ -72,7 +74,7 @@ def cases(head_dims=(128, 64)):
                      lambda sq, sk: [("lengths", {}), ("lengths causal", {"causal": True})])
 
 
-# configurations: the shipped tile table (with DQ_LATE since 2026-12-03), the plain schedule without it, or
+# configurations: the shipped tile table (DQ_LATE + DQ_TMA since 2026-12-03), the plain schedule without them, or
 # that with dQ added by the writer warp's bulk reductions, or
 # with dQ added in a fixed order of key blocks (bitwise-deterministic), or with S^T and dP^T waited for one
 # at a time (P^T computed while dP^T's GEMM runs), or with dQ split by keys and no per-step barrier, or
@@ -82,14 +84,14 @@ def cases(head_dims=(128, 64)):
 CONFIGS = ("table", "plain", "dqbulk", "ordered", "splitwait", "dqkeys", "dqlate", "dqptr", "dqtma")
 KNOBS = {"dqbulk": "dq_bulk", "splitwait": "split_wait", "dqkeys": "dq_keys", "dqlate": "dq_late",
          "dqptr": "dq_pointers", "dqtma": "dq_tma"}
-OVER_TABLE = {"dqptr", "dqtma"}  # knobs written for the table's schedule (DQ_LATE), applied over it
+OVER_TABLE = {"dqptr", "dqtma"}  # knobs written for the table's schedule (DQ_LATE), applied over it (DQ_TMA off)
 RERUNS = 2  # ordered: runs after the first, each compared bit for bit with it
 
 
 def _variant(p, config):
     """The table's variant for `p`, its deterministic twin ("ordered"), or the table's tile with `config`'s
-    knob on over the plain schedule (DQ_LATE off: each knob is written for that one; "plain" is that
-    schedule alone)."""
+    knob on over the plain schedule (DQ_LATE and DQ_TMA off: each knob is written for that one; "plain" is
+    that schedule alone), or, for `OVER_TABLE` knobs, over DQ_LATE."""
     from attnx.backends.cuda.launch_sm90_bwd import backward_variant_for
     from attnx.backends.cuda.variants import ordered_twin
 

@@ -58,7 +58,7 @@ class Variant(NamedTuple):
     dq_pointers: bool = False  # Hopper bwd, DQ_LATE (not ordered): the late dQ reductions from two row pointers
                                # formed once (DQ_POINTERS; opt-in, written 2026-12-03)
     dq_tma: bool = False  # Hopper bwd, DQ_LATE (not ordered): the late dQ part staged in shared memory and added
-                          # with TMA reduce-adds by one thread (DQ_TMA; opt-in, written 2026-12-03)
+                          # with TMA reduce-adds by one thread (DQ_TMA; the table's since 2026-12-03)
     atomic_dq: bool = True  # bwd: the dK pass adds dQ with fp32 atomics (False: the deterministic backward's
                             # dK/dV kernel, whose dQ is the bwd_dq pass)
     exact_alpha: bool = False  # fwd (both families) and decode: the online softmax's rescale factor from the rounded
@@ -409,7 +409,8 @@ def hopper_backward_variant(family: Family, bf16: bool, tile: int, score_mod: bo
     if "bwd_wgmma" not in family.sources or tile not in HOPPER_BACKWARD_TILES:
         return None
     block_m = HOPPER_BACKWARD_TILES[tile][int(score_mod)]
-    # dq_late: 0.99-1.08x the plain schedule's speed (H200, 2026-12-03, NOTES.md "DQ_LATE")
+    # dq_late: 0.99-1.08x the plain schedule's speed; dq_tma (its late dQ through TMA reduce-adds) 1.07-1.20x
+    # dq_late's (H200, 2026-12-03 runs 10 and 11, NOTES.md "DQ_LATE", "DQ_TMA"); the ordered twins keep red
     v = Variant(family.name, "bwd_wgmma", bf16, tile, block_m, HOPPER_BACKWARD_KEYS, 12, score_mod, dq_late=True,
                 dq_tma=True)
     return v if v.shared_bytes() <= max_shared else None
