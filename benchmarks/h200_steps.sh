@@ -26,6 +26,14 @@ run_step() {  # name max_seconds command...
     [ $rc -eq 0 ] && passed[$name]=1
     echo "$name: rc=$rc in $((SECONDS - start)) s (limit $t)" >> "$out/summary.txt"
 }
+backward_knob() {  # config check_seconds tool...: see the knob steps below
+    local config=$1 check_s=$2; shift 2
+    run_step $config-check $check_s python3 -m benchmarks.hopper_backward check --configs $config
+    [ -n "${passed[$config-check]:-}" ] || return 0
+    run_step $config-time 170 python3 -m benchmarks.hopper_backward time --configs table,$config --seqlens 4096,16384
+    for tool in "$@"; do run_step $config-$tool 100 compute-sanitizer --tool $tool --report-api-errors no \
+        python3 -m benchmarks.hopper_backward check --configs $config --max-scores 20000; done
+}
 for step in "$@"; do
     case "$step" in
     tests) run_step tests 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_deterministic.py \
@@ -82,44 +90,18 @@ for step in "$@"; do
     dqbulk) run_step dqbulk-check 120 python3 -m benchmarks.hopper_backward check --configs dqbulk
             [ -n "${passed[dqbulk-check]:-}" ] && run_step dqbulk-time 150 python3 -m benchmarks.hopper_backward time \
                 --configs table,dqbulk --seqlens 4096,16384 ;;
-    # the Hopper backward's opt-in SPLIT_WAIT (P^T while dP^T's GEMM runs): 148 cases, then beside the table
-    splitwait) run_step splitwait-check 200 python3 -m benchmarks.hopper_backward check --configs splitwait
-            [ -n "${passed[splitwait-check]:-}" ] && run_step splitwait-time 150 python3 -m benchmarks.hopper_backward \
-                time --configs table,splitwait --seqlens 4096,16384 ;;
-    # the Hopper backward's opt-in DQ_KEYS (written 2026-12-03): dQ split by keys at d128 (64 columns a pass),
-    # no per-step barrier between the consumers; checked, then timed beside the table; then racecheck and
-    # synccheck on small cases (the consumers' new barrier)
-    dqkeys) run_step dqkeys-check 220 python3 -m benchmarks.hopper_backward check --configs dqkeys
-            [ -n "${passed[dqkeys-check]:-}" ] && run_step dqkeys-time 150 python3 -m benchmarks.hopper_backward \
-                time --configs table,dqkeys --seqlens 4096,16384
-            [ -n "${passed[dqkeys-check]:-}" ] && for tool in racecheck synccheck; do run_step dqkeys-$tool 120 \
-                compute-sanitizer --tool $tool --report-api-errors no python3 -m benchmarks.hopper_backward check \
-                --configs dqkeys --max-scores 20000; done ;;
-    # the Hopper backward's opt-in DQ_LATE (a step's dQ added in the next step): 148 cases, timing, sanitizers
-    dqlate) run_step dqlate-check 220 python3 -m benchmarks.hopper_backward check --configs dqlate
-            [ -n "${passed[dqlate-check]:-}" ] && run_step dqlate-time 150 python3 -m benchmarks.hopper_backward \
-                time --configs table,dqlate --seqlens 4096,16384
-            [ -n "${passed[dqlate-check]:-}" ] && for tool in memcheck synccheck racecheck; do run_step dqlate-$tool 100 \
-                compute-sanitizer --tool $tool --report-api-errors no python3 -m benchmarks.hopper_backward check \
-                --configs dqlate --max-scores 20000; done ;;
-    # DQ_POINTERS over the table (the late dQ reductions from two row pointers): 148 cases, timing beside the
-    # table, memcheck and synccheck; then the profile of the table's kernel with it (no -s: the check's kernels
-    # are not run here)
-    dqptr) run_step dqptr-check 200 python3 -m benchmarks.hopper_backward check --configs dqptr
-            [ -n "${passed[dqptr-check]:-}" ] && run_step dqptr-time 170 python3 -m benchmarks.hopper_backward \
-                time --configs table,dqptr --seqlens 4096,16384
-            [ -n "${passed[dqptr-check]:-}" ] && for tool in memcheck synccheck; do run_step dqptr-$tool 60 \
-                compute-sanitizer --tool $tool --report-api-errors no python3 -m benchmarks.hopper_backward check \
-                --configs dqptr --max-scores 20000; done ;;
-    # DQ_TMA over the table (the late dQ parts staged in shared memory, added by TMA reduce-adds): 148 cases,
-    # timing beside the table, memcheck and synccheck
-    dqtma) run_step dqtma-check 200 python3 -m benchmarks.hopper_backward check --configs dqtma
-            [ -n "${passed[dqtma-check]:-}" ] && run_step dqtma-time 170 python3 -m benchmarks.hopper_backward \
-                time --configs table,dqtma --seqlens 4096,16384
-            [ -n "${passed[dqtma-check]:-}" ] && for tool in memcheck synccheck; do run_step dqtma-$tool 60 \
-                compute-sanitizer --tool $tool --report-api-errors no python3 -m benchmarks.hopper_backward check \
-                --configs dqtma --max-scores 20000; done ;;
-    # the dispatched Hopper backward (DQ_LATE) at d128 16k: the full profile's details and SASS source counters (csv)
+    # the Hopper backward's knobs (benchmarks/hopper_backward.py configs), each: 148 cases, then beside the table,
+    # then the sanitizers named on the small cases. SPLIT_WAIT (P^T while dP^T's GEMM runs); DQ_KEYS (dQ split by
+    # keys at d128, no per-step barrier: racecheck and synccheck for the consumers' new barrier); DQ_LATE (a
+    # step's dQ added in the next step: the table without DQ_TMA since 2026-12-03); DQ_POINTERS over DQ_LATE (its
+    # reductions from two row pointers); DQ_TMA (the late dQ parts added by TMA reduce-adds: the table's since
+    # 2026-12-03, so `dqtma` now times the table against itself)
+    splitwait) backward_knob splitwait 200 ;;
+    dqkeys) backward_knob dqkeys 220 racecheck synccheck ;;
+    dqlate) backward_knob dqlate 220 memcheck synccheck racecheck ;;
+    dqptr) backward_knob dqptr 200 memcheck synccheck ;;
+    dqtma) backward_knob dqtma 200 memcheck synccheck ;;
+    # the dispatched Hopper backward (DQ_LATE + DQ_TMA) at d128 16k: the full profile's details and SASS source counters (csv)
     ncu-bwd-sass) run_step ncu-bwd-sass 230 bash -c 'ncu --clock-control none --set full --import-source yes \
                 -k attnx_bwd_wgmma -s 3 -c 1 -o "$0/logs/bwd" python3 -m benchmarks.hopper_backward time \
                 --seqlens 16384 --head-dims 128 > "$0/logs/ncu-bwd-run.txt" 2>&1 &&
