@@ -1,0 +1,103 @@
+// How the Hopper backward's consumers add a dQ part to dq_accum (sm90/fa_bwd.cu): `red.global.add` per
+// element pair (the plain and DQ_LATE schedules), from two row pointers (DQ_POINTERS), in a fixed order of
+// key blocks (DQ_ORDERED), or staged in shared memory for TMA reduce-adds (DQ_TMA).
+#pragma once
+#include "sm90/bwd_roles.cuh"
+#include "sm90/dq_order.cuh"
+
+namespace sm90_bwd {
+
+// This consumer's dQ part (rows of 64 queries x DQ_N columns, accumulator layout) added to dq_accum
+// with vector reductions; rows past Sq skipped.
+template <int DQ_N>
+DEVI void red_dq(const float (&dq)[DQ_N / 2], float* dq_head, int dq_row, int row0, int col0, int seqlen_q) {
+#pragma unroll
+  for (int c = 0; c < DQ_N / 8; ++c)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + half * 8;
+      const int col = col0 + c * 8;
+      if (row < seqlen_q)
+        red_add_v2(dq_head + (long long)row * dq_row + col, dq[4 * c + 2 * half], dq[4 * c + 2 * half + 1]);
+    }
+}
+
+// 8 vector reductions into one row at byte offsets 0, 32, ..., 224 from `row`, all or none (`in`): one asm
+// statement, so the pointer is formed once and nothing rewrites it under a pending `red` (ptxas, given
+// one `red` per statement, re-formed the address before each and branched around each).
+DEVI void red_row8_v2(float* row, bool in, const float (&v)[16]) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %1, 0;\n"
+      " @p red.global.add.v2.f32 [%0], {%2, %3};\n"
+      " @p red.global.add.v2.f32 [%0+32], {%4, %5};\n"
+      " @p red.global.add.v2.f32 [%0+64], {%6, %7};\n"
+      " @p red.global.add.v2.f32 [%0+96], {%8, %9};\n"
+      " @p red.global.add.v2.f32 [%0+128], {%10, %11};\n"
+      " @p red.global.add.v2.f32 [%0+160], {%12, %13};\n"
+      " @p red.global.add.v2.f32 [%0+192], {%14, %15};\n"
+      " @p red.global.add.v2.f32 [%0+224], {%16, %17};\n}\n"
+      ::"l"(row), "r"((int)in), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]), "f"(v[4]), "f"(v[5]), "f"(v[6]),
+      "f"(v[7]), "f"(v[8]), "f"(v[9]), "f"(v[10]), "f"(v[11]), "f"(v[12]), "f"(v[13]), "f"(v[14]), "f"(v[15])
+      : "memory");
+}
+
+// red_dq from the thread's two rows (row0, row0 + 8), each one pointer and one predicate (DQ_POINTERS, on
+// DQ_LATE's path between S^T's issue and dP^T's).
+template <int DQ_N>
+DEVI void red_dq_rows(const float (&dq)[DQ_N / 2], float* dq_head, int dq_row, int row0, int col0, int seqlen_q) {
+  static_assert(DQ_N == 64, "8 column pairs per row");
+  float top[16], bottom[16];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    top[2 * c] = dq[4 * c];
+    top[2 * c + 1] = dq[4 * c + 1];
+    bottom[2 * c] = dq[4 * c + 2];
+    bottom[2 * c + 1] = dq[4 * c + 3];
+  }
+  float* const row = dq_head + (long long)row0 * dq_row + col0;
+  red_row8_v2(row, row0 < seqlen_q, top);
+  red_row8_v2(row + 8LL * dq_row, row0 + 8 < seqlen_q, bottom);
+}
+
+// DQ_TMA: this consumer's 64 x 64 dQ part (accumulator layout) into its two staging boxes of 64 rows x 32 fp32
+// columns, each row 128 bytes with its 16-byte chunks XOR-ed by the row's low 3 bits (TMA's 128-byte swizzle).
+template <int DQ_N>
+DEVI void stage_dq_boxes(const float (&dq)[DQ_N / 2], u32 stage, int warp_in_group, int lane) {
+  static_assert(DQ_N == 64, "two 32-column boxes per consumer part");
+  const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int c = 0; c < 8; ++c)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = warp_in_group * 16 + g + 8 * half, col = 8 * c + 2 * t4;
+      const int box = col >> 5, cb = col & 31;
+      const u32 addr = stage + box * (64 * 32 * 4) + r * 128 + ((((cb >> 2) ^ (r & 7))) << 4) + (cb & 3) * 4;
+      st_shared_v2(addr, dq[4 * c + 2 * half], dq[4 * c + 2 * half + 1]);
+    }
+}
+
+// DQ_ORDERED: this consumer's dQ part of query block m0 / BM (head hq) added in its turn: after the key
+// blocks above this one that see the block; then the turn passes on. Both consumers call it together.
+template <int HD, int BM>
+DEVI void red_dq_in_turn(const float (&dq)[DqSplit<HD, BM>::N / 2], const AttnParams& p, const Visibility& vis,
+                         const Work& w, int* dq_sem, int hq, int m0, int row0, int col0, int consumer) {
+  using Split = DqSplit<HD, BM>;
+  float* dq_head = p.dq_accum + ((long long)w.b * p.heads_q + hq) * p.seqlen_q * p.dq_row;
+  int* sem = dq_sem + ((long long)w.b * p.heads_q + hq) * ((p.seqlen_q + BM - 1) / BM) + m0 / BM;
+  int k_lo, k_hi;
+  keys_seen(vis, m0, min(m0 + BM, vis.seqlen_q) - 1, &k_lo, &k_hi);
+  const int turn = k_hi / BN - w.n0 / BN;  // uniform: skip the wait (and its barrier) when first
+  if (turn > 0) {
+    if (threadIdx.x == 128) wait_turn(sem, turn);
+    named_sync(ORDER_BARRIER, 256);  // acquire (one thread) + barrier: every adder after the turn
+  }
+  if constexpr (Split::HOW == Split::BY_KEYS)
+    if (consumer == 1) named_sync(BATON_BARRIER, 256);  // both add to the same elements: 0 first
+  red_dq<Split::N>(dq, dq_head, p.dq_row, row0, col0, vis.seqlen_q);
+  if constexpr (Split::HOW == Split::BY_KEYS)
+    if (consumer == 0) named_arrive(BATON_BARRIER, 256);
+  named_sync(ORDER_BARRIER, 256);  // every reduction of this block issued before the release
+  if (threadIdx.x == 128) pass_turn(sem);
+}
+
+}  // namespace sm90_bwd
