@@ -60,10 +60,41 @@ def operand_ok(t: torch.Tensor) -> bool:
 def tensor_map(t: torch.Tensor, rows: int):
     """The tensor map of (B, H, S, D) tensor `t` with boxes of `rows` x 64 columns, as a kernel argument."""
     key = (t.data_ptr(), tuple(t.shape), _byte_strides(t), t.dtype, rows)
+    return _cached(key, lambda: _encode_operand(t, rows))
+
+
+DQ_BOX = (32, 64)  # DQ_TMA's fp32 boxes: 32 columns (128 bytes, one swizzle span) x 64 rows
+
+
+def dq_reduce_map(dq_accum: torch.Tensor):
+    """The fp32 map the Hopper backward's DQ_TMA adds dQ parts through: contiguous (B, H, S, D) `dq_accum` as
+    dims (D, S, B * H), boxes of 32 columns x 64 rows, 128-byte swizzle. Rows past S are not written."""
+    if not dq_accum.is_contiguous() or dq_accum.dtype != torch.float32:
+        raise ValueError("dq_accum must be contiguous float32")
+    return _cached((dq_accum.data_ptr(), tuple(dq_accum.shape), "dq_reduce"), lambda: _encode_dq(dq_accum))
+
+
+def _cached(key, encode):
+    """The map of `key` from the cache, or `encode()`d and kept (first in, first out past _CACHE_LIMIT)."""
     with _lock:
         found = _cache.get(key)
     if found is not None:
         return found
+    arg = encode()
+    with _lock:
+        if len(_cache) >= _CACHE_LIMIT:
+            _cache.pop(next(iter(_cache)))
+        _cache[key] = arg
+    return arg
+
+
+def _record(encoded):
+    record = np.zeros((), MAP_DTYPE)
+    record["words"] = np.array([int(w) for w in encoded.opaque], dtype=np.uint64)
+    return record[()]
+
+
+def _encode_operand(t: torch.Tensor, rows: int):
     from cuda.bindings import driver
 
     b, h, s, d = t.shape
@@ -80,27 +111,13 @@ def tensor_map(t: torch.Tensor, rows: int):
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for a tensor of shape {tuple(t.shape)}, "
                            f"strides {tuple(t.stride())}")
-    record = np.zeros((), MAP_DTYPE)
-    record["words"] = np.array([int(w) for w in encoded.opaque], dtype=np.uint64)
-    arg = record[()]
-    with _lock:
-        if len(_cache) >= _CACHE_LIMIT:
-            _cache.pop(next(iter(_cache)))
-        _cache[key] = arg
-    return arg
+    return _record(encoded)
 
 
-DQ_BOX = (32, 64)  # DQ_TMA's fp32 boxes: 32 columns (128 bytes, one swizzle span) x 64 rows
-
-
-def dq_reduce_map(dq_accum: torch.Tensor):
-    """The fp32 map the Hopper backward's DQ_TMA adds dQ parts through: contiguous (B, H, S, D) `dq_accum` as
-    dims (D, S, B * H), boxes of 32 columns x 64 rows, 128-byte swizzle. Rows past S are not written."""
+def _encode_dq(dq_accum: torch.Tensor):
     from cuda.bindings import driver
 
     b, h, s, d = dq_accum.shape
-    if not dq_accum.is_contiguous() or dq_accum.dtype != torch.float32:
-        raise ValueError("dq_accum must be contiguous float32")
     dims = [driver.cuuint64_t(int(n)) for n in (d, max(s, 1), max(b * h, 1))]
     strides = [driver.cuuint64_t(int(n)) for n in (d * 4, max(s, 1) * d * 4)]
     box = [driver.cuuint32_t(n) for n in (*DQ_BOX, 1)]
@@ -113,6 +130,4 @@ def dq_reduce_map(dq_accum: torch.Tensor):
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for dq_accum of shape {tuple(dq_accum.shape)}")
-    record = np.zeros((), MAP_DTYPE)
-    record["words"] = np.array([int(w) for w in encoded.opaque], dtype=np.uint64)
-    return record[()]
+    return _record(encoded)
