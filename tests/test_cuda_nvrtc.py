@@ -232,6 +232,27 @@ def test_hopper_backward_dq_ordered_variants_compile():
     assert not ok and "ordered dQ" in log
 
 
+def test_hopper_backward_ordered_twins_with_dq_tma_compile_without_spills():
+    """The opt-in ordered dQ through TMA reduce-adds (DQ_ORDERED + DQ_TMA: thread 128 adds both consumers' staged
+    parts in the query block's turn): every twin builds for sm_90a with no local memory and no wgmma
+    serialisation, in the table's shared-memory budget."""
+    reason = _nvrtc_available()
+    if reason:
+        pytest.skip(reason)
+    twins = [v._replace(dq_tma=True) for v in variants.requestable(families.HOPPER, (9, 0))
+             if v.hopper_backward and v.dq_ordered and v.bf16]
+    assert twins and all(v.dq_late for v in twins)
+    from attnx.backends.cuda.compile import kernel_source
+
+    for v in twins:
+        assert {"-DDQ_ORDERED=1", "-DDQ_TMA=1"} <= set(v.defines()) and "+ordered" in v.label() and "+dqtma" in v.label()
+        assert v.shared_bytes() <= variants.max_shared((9, 0))
+        ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
+                                                   (*cuda_compile.nvrtc_options(v, "sm_90a"), "-Xptxas=-v"))
+        assert ok and size > 0, log[:2000]
+        assert " 0 bytes spill stores" in log and not any(c in log for c in WGMMA_SERIALISED), log
+
+
 @pytest.mark.parametrize("head_dim,head_dim_v,deterministic,hopper", [
     (128, 128, False, True), (64, 64, False, True), (40, 24, False, True), (128, 64, False, True),
     (192, 192, False, False), (256, 256, False, False), (128, 128, True, True), (256, 256, True, False)])

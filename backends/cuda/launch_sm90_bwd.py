@@ -74,7 +74,7 @@ def backward(p, x: Inputs, out, lse, dout, variant: Variant | None = None, *, po
                             dtype=torch.int32)
         extra = (np.uint64(turns.data_ptr()),)
     if variant.dq_tma:  # the late dQ parts added through TMA reduce-adds (no query: a map never read)
-        extra = (dq_reduce_map(dq_accum) if dq_accum.numel() else np.zeros((), MAP_DTYPE)[()],)
+        extra += (dq_reduce_map(dq_accum) if dq_accum.numel() else np.zeros((), MAP_DTYPE)[()],)
     if grid > 0:
         kernel = get_kernel(variant, nvrtc_arch(p.capability), device_index)
         _launch(kernel, grid, variant.threads, variant.shared_bytes(), (args, *maps, *extra), device_index)

@@ -57,8 +57,9 @@ class Variant(NamedTuple):
                            # S^T GEMM (DQ_LATE; the table's schedule since 2026-12-03, its ordered twins' too)
     dq_pointers: bool = False  # Hopper bwd, DQ_LATE (not ordered): the late dQ reductions from two row pointers
                                # formed once (DQ_POINTERS; opt-in, written 2026-12-03)
-    dq_tma: bool = False  # Hopper bwd, DQ_LATE (not ordered): the late dQ part staged in shared memory and added
-                          # with TMA reduce-adds by one thread (DQ_TMA; the table's since 2026-12-03)
+    dq_tma: bool = False  # Hopper bwd, DQ_LATE: the late dQ part staged in shared memory and added with TMA
+                          # reduce-adds by one thread (DQ_TMA; the table's since 2026-12-03; with dq_ordered
+                          # in the query block's turn)
     atomic_dq: bool = True  # bwd: the dK pass adds dQ with fp32 atomics (False: the deterministic backward's
                             # dK/dV kernel, whose dQ is the bwd_dq pass)
     exact_alpha: bool = False  # fwd (both families) and decode: the online softmax's rescale factor from the rounded

@@ -1,6 +1,6 @@
 // How the Hopper backward's consumers add a dQ part to dq_accum (sm90/fa_bwd.cu): `red.global.add` per
 // element pair (the plain and DQ_LATE schedules), from two row pointers (DQ_POINTERS), in a fixed order of
-// key blocks (DQ_ORDERED), or staged in shared memory for TMA reduce-adds (DQ_TMA).
+// key blocks (DQ_ORDERED), or staged in shared memory for TMA reduce-adds (DQ_TMA; with DQ_ORDERED in turn).
 #pragma once
 #include "sm90/bwd_roles.cuh"
 #include "sm90/dq_order.cuh"
@@ -76,6 +76,17 @@ DEVI void stage_dq_boxes(const float (&dq)[DQ_N / 2], u32 stage, int warp_in_gro
     }
 }
 
+// DQ_ORDERED: the turn counter of query block m0 / BM (head hq) and this key block's turn in it.
+template <int BM>
+DEVI int* dq_turn(const AttnParams& p, const Visibility& vis, const Work& w, int* dq_sem, int hq, int m0,
+                  int* turn) {
+  int* sem = dq_sem + ((long long)w.b * p.heads_q + hq) * ((p.seqlen_q + BM - 1) / BM) + m0 / BM;
+  int k_lo, k_hi;
+  keys_seen(vis, m0, min(m0 + BM, vis.seqlen_q) - 1, &k_lo, &k_hi);
+  *turn = k_hi / BN - w.n0 / BN;
+  return sem;
+}
+
 // DQ_ORDERED: this consumer's dQ part of query block m0 / BM (head hq) added in its turn: after the key
 // blocks above this one that see the block; then the turn passes on. Both consumers call it together.
 template <int HD, int BM>
@@ -83,11 +94,9 @@ DEVI void red_dq_in_turn(const float (&dq)[DqSplit<HD, BM>::N / 2], const AttnPa
                          const Work& w, int* dq_sem, int hq, int m0, int row0, int col0, int consumer) {
   using Split = DqSplit<HD, BM>;
   float* dq_head = p.dq_accum + ((long long)w.b * p.heads_q + hq) * p.seqlen_q * p.dq_row;
-  int* sem = dq_sem + ((long long)w.b * p.heads_q + hq) * ((p.seqlen_q + BM - 1) / BM) + m0 / BM;
-  int k_lo, k_hi;
-  keys_seen(vis, m0, min(m0 + BM, vis.seqlen_q) - 1, &k_lo, &k_hi);
-  const int turn = k_hi / BN - w.n0 / BN;  // uniform: skip the wait (and its barrier) when first
-  if (turn > 0) {
+  int turn;
+  int* sem = dq_turn<BM>(p, vis, w, dq_sem, hq, m0, &turn);
+  if (turn > 0) {  // uniform: skip the wait (and its barrier) when first
     if (threadIdx.x == 128) wait_turn(sem, turn);
     named_sync(ORDER_BARRIER, 256);  // acquire (one thread) + barrier: every adder after the turn
   }
@@ -98,6 +107,44 @@ DEVI void red_dq_in_turn(const float (&dq)[DqSplit<HD, BM>::N / 2], const AttnPa
     if (consumer == 0) named_arrive(BATON_BARRIER, 256);
   named_sync(ORDER_BARRIER, 256);  // every reduction of this block issued before the release
   if (threadIdx.x == 128) pass_turn(sem);
+}
+
+// DQ_ORDERED with DQ_TMA: both consumers' staged parts (stores fenced for the async proxy) added by thread 128 in
+// the query block's turn, four boxes of 64 rows x 32 columns (split by keys: consumer 0's completed before
+// consumer 1's are issued, as both add to the same elements). Both consumers call it together. The turn passes
+// in pass_dq_turn, once the additions have completed: the caller places that after dP^T's issue, so the wait
+// for completion overlaps a GEMM instead of holding the warpgroup.
+template <int HD, int BM, int PART_BYTES, int BOX_BYTES>
+DEVI void tma_dq_in_turn(const TmaMap* tdq, u32 stage0, const AttnParams& p, const Visibility& vis, const Work& w,
+                         int* dq_sem, int hq, int m0) {
+  using Split = DqSplit<HD, BM>;
+  int turn;
+  int* sem = dq_turn<BM>(p, vis, w, dq_sem, hq, m0, &turn);
+  if (threadIdx.x == 128 && turn > 0) wait_turn(sem, turn);
+  named_sync(ORDER_BARRIER, 256);  // both parts staged; the turn acquired (one thread) before any addition
+  if (threadIdx.x == 128) {
+    fence_async_global();  // the acquire before the async proxy's additions
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+#pragma unroll
+      for (int box = 0; box < 2; ++box)
+        tma_reduce_add_3d(tdq, stage0 + c * PART_BYTES + box * BOX_BYTES, Split::col0(c) + 32 * box,
+                          m0 + Split::row0(c), w.b * p.heads_q + hq);
+      tma_store_commit();
+      if constexpr (Split::HOW == Split::BY_KEYS)
+        if (c == 0) bulk_wait_all();
+    }
+  }
+}
+// Thread 128, after tma_dq_in_turn for the same query block: the additions complete (writes included), ordered
+// before the release that gives the next key block its turn. The staging is free after the next barrier.
+template <int BM>
+DEVI void pass_dq_turn(const AttnParams& p, const Visibility& vis, const Work& w, int* dq_sem, int hq, int m0) {
+  int turn;
+  int* sem = dq_turn<BM>(p, vis, w, dq_sem, hq, m0, &turn);
+  bulk_wait_all();
+  fence_async_global();
+  pass_turn(sem);
 }
 
 }  // namespace sm90_bwd

@@ -32,7 +32,7 @@
 // Compile-time knobs (NVRTC -D): IS_BF16, HEAD_DIM (tile: 64 or 128), BLOCK_M (queries per step:
 // 64 or 128), BLOCK_N (keys per block, 128), SCORE_MOD, DQ_BULK (dQ parts staged in shared memory and
 // added by a writer warp of the producer warpgroup with bulk reductions, FlashAttention-3's way,
-// instead of red.global.add from the consumers), DQ_ORDERED (opt-in, with red only: the dQ additions
+// instead of red.global.add from the consumers), DQ_ORDERED (with red or DQ_TMA: the dQ additions
 // into each (batch, query head, query block) of dq_accum in one fixed order of key blocks, so dq is
 // the same bits on every run; see "Ordered dQ" below), SHARED_BYTES (what the launcher reserves).
 // Checked and timed on the H200 (2026-12-01): see backends/cuda/NOTES.md, "Hopper backward".
@@ -216,7 +216,13 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
   int late_hq = 0, late_m0 = 0;
   const auto add_late_dq = [&]() {  // (after a wait for its GEMM)
     fence_regs(dq_late);
-    if constexpr (DQ_TMA) {
+    if constexpr (DQ_TMA && ORD) {
+      // the staging is free: the previous additions completed before their turn passed (pass_late_turn),
+      // and a barrier of both consumers followed
+      stage_dq_boxes<DQ_N>(dq_late, base + L::DQT + consumer * L::DQT_PART, warp_in_group, lane);
+      fence_async_shared();
+      tma_dq_in_turn<HD, BM, L::DQT_PART, L::DQT_BOX>(tdq, base + L::DQT, p, vis, w, dq_sem, late_hq, late_m0);
+    } else if constexpr (DQ_TMA) {
       // the staging is free once the previous reduce-adds have read it (the issuer waits, the barrier tells
       // the others); written, made visible to the async proxy, then one thread adds both boxes
       const u32 stage = base + L::DQT + consumer * L::DQT_PART;
@@ -245,6 +251,11 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
         red_dq<DQ_N>(dq_late, dq_head, p.dq_row, late_m0 + dq_row0 + warp_in_group * 16 + g, dq_col0 + 2 * t4,
                      vis.seqlen_q);
     }
+  };
+  // DQ_ORDERED with DQ_TMA: the turn of the part add_late_dq added passes once its additions completed
+  const auto pass_late_turn = [&]() {
+    if constexpr (DQ_TMA && ORD)
+      if (threadIdx.x == 128) pass_dq_turn<BM>(p, vis, w, dq_sem, late_hq, late_m0);
   };
 #endif
 
@@ -289,6 +300,9 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
 #endif
       issue_rows_by_queries<BF16, HD, BM>(dpt, v_rows, do_tile);
       wgmma_commit();
+#if DQ_LATE
+      if (i > 0) pass_late_turn();  // beside dP^T's GEMM
+#endif
       wgmma_wait<0>();
       fence_regs(st);
       fence_regs(dpt);
@@ -319,6 +333,9 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
         wgmma_fence();
         issue_rows_by_queries<BF16, HD, BM>(dpt, v_rows, do_tile);
         wgmma_commit();
+#if DQ_LATE
+        if (i > 0) pass_late_turn();  // beside dP^T's GEMM
+#endif
       }
       wgmma_wait<0>();
       fence_regs(dpt);
@@ -427,7 +444,10 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
 
 #if DQ_LATE
   wgmma_wait<0>();  // the last step's dQ
-  if (w.steps > 0) add_late_dq();
+  if (w.steps > 0) {
+    add_late_dq();
+    pass_late_turn();
+  }
 #endif
   // Every wgmma that reads K or V (the other consumer's dQ reads all of K) is done: the tiles
   // become the staging buffers of dK and dV.
@@ -511,7 +531,7 @@ extern "C" __global__ void __launch_bounds__(sm90_bwd::THREADS, 1)
   static_assert(!(DQ_KEYS && (DQ_ORDERED || DQ_BULK)), "DQ_KEYS is written for the plain red path only");
   static_assert(!(DQ_LATE && (DQ_BULK || DQ_KEYS || SPLIT_WAIT)), "DQ_LATE is written for the red path only");
   static_assert(!DQ_POINTERS || (DQ_LATE && !DQ_ORDERED), "DQ_POINTERS changes DQ_LATE's atomic reductions only");
-  static_assert(!DQ_TMA || (DQ_LATE && !DQ_ORDERED && !DQ_POINTERS), "DQ_TMA replaces DQ_LATE's atomic reductions");
+  static_assert(!DQ_TMA || (DQ_LATE && !DQ_POINTERS), "DQ_TMA replaces DQ_LATE's atomic reductions");
 #if !DQ_ORDERED
   int* const dq_sem = nullptr;
 #endif

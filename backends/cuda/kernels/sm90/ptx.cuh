@@ -66,6 +66,9 @@ DEVI void tma_reduce_add_3d(const TmaMap* map, u32 src, int c0, int c1, int c2) 
 DEVI void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Wait until the committed stores have read their shared memory (it may then be reused or freed).
 DEVI void tma_store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// Orders this thread's generic-proxy global accesses with its async-proxy (TMA) ones, both ways: the
+// ordered dQ's turn (a generic acquire/release) around its TMA reduce-adds.
+DEVI void fence_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
 // Ordinary shared-memory stores become visible to the async proxy (TMA, wgmma) only after this.
 DEVI void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
