@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda conformance-torch conformance-triton paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-sweep-paged decode-sanitize decode-sanitize-quick serving-flex decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait dqkeys dqlate ncu-bwd-sass replay recheck nan-fixup decode-fused dqptr dqtma orderedtma
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-sweep-paged decode-sanitize decode-sanitize-quick serving-flex decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait dqkeys dqlate ncu-bwd-sass replay recheck nan-fixup decode-fused dqptr dqtma
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -101,13 +101,6 @@ for step in "$@"; do
     dqlate) backward_knob dqlate 220 memcheck synccheck racecheck ;;
     dqptr) backward_knob dqptr 200 memcheck synccheck ;;
     dqtma) backward_knob dqtma 200 memcheck synccheck ;;
-    # the deterministic twin with DQ_TMA: checked with bitwise reruns, timed beside the table and today's ordered twin
-    orderedtma) run_step orderedtma-check 240 python3 -m benchmarks.hopper_backward check --configs orderedtma
-        [ -n "${passed[orderedtma-check]:-}" ] && run_step orderedtma-time 200 python3 -m benchmarks.hopper_backward \
-            time --configs table,ordered,orderedtma --seqlens 4096,16384
-        for tool in memcheck synccheck; do [ -n "${passed[orderedtma-check]:-}" ] && run_step orderedtma-$tool 100 \
-            compute-sanitizer --tool $tool --report-api-errors no python3 -m benchmarks.hopper_backward check \
-            --configs orderedtma --max-scores 20000; done ;;
     # the dispatched Hopper backward (DQ_LATE + DQ_TMA) at d128 16k: the full profile's details and SASS source counters (csv)
     ncu-bwd-sass) run_step ncu-bwd-sass 230 bash -c 'ncu --clock-control none --set full --import-source yes \
                 -k attnx_bwd_wgmma -s 3 -c 1 -o "$0/logs/bwd" python3 -m benchmarks.hopper_backward time \
@@ -115,10 +108,11 @@ for step in "$@"; do
                 ncu --import "$0/logs/bwd.ncu-rep" --page details > "$0/logs/ncu-bwd-details.txt" &&
                 ncu --import "$0/logs/bwd.ncu-rep" --page source --csv --print-source sass > "$0/logs/ncu-bwd-sass.csv" &&
                 gzip -f "$0/logs/ncu-bwd-sass.csv" && rm -f "$0/logs/bwd.ncu-rep"' "$out" ;;
-    # the Hopper backward's opt-in ordered dQ (deterministic): 148 cases x 3 runs, same bits; then its cost
+    # the Hopper backward's ordered dQ (deterministic): 148 cases x 3 runs, same bits; then its cost beside the
+    # table's and the twin's with red additions in turn (orderedred: before run 12)
     ordered) run_step ordered-check 200 python3 -m benchmarks.hopper_backward check --configs ordered
             [ -n "${passed[ordered-check]:-}" ] && run_step ordered-time 150 python3 -m benchmarks.hopper_backward time \
-                --configs table,ordered --seqlens 4096,16384 ;;
+                --configs table,ordered,orderedred --seqlens 4096,16384 ;;
     # one profile of the Hopper backward at d128 16k (the kernel's 4th launch: past compile and warm-up)
     ncu-bwd) run_step ncu-bwd 240 ncu --clock-control none --set full -k attnx_bwd_wgmma -s 3 -c 1 \
                python3 -m benchmarks.hopper_backward time --seqlens 16384 --head-dims 128 ;;

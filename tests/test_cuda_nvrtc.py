@@ -212,45 +212,33 @@ def test_hopper_backward_opt_ins_over_the_table_compile_without_spills(field, de
 
 def test_hopper_backward_dq_ordered_variants_compile():
     """The ordered dQ (turn counters per query block: bitwise-deterministic dq) that deterministic problems
-    run: every table tile has its ordered twin among the requestable variants (so CI builds both), it builds
-    for sm_90a (the split by keys, whose two consumers take turns on the same dQ elements, only in the
-    score-mod tile), and it needs the red path (not DQ_BULK)."""
+    run: every table tile has its ordered twin among the requestable variants (so CI builds both), on the
+    table's schedule with its additions made by TMA reduce-adds in turn (DQ_TMA: thread 128 adds both
+    consumers' staged parts); it builds for sm_90a with no local memory and no wgmma serialisation (the split
+    by keys, whose two consumers take turns on the same dQ elements, only in the score-mod tile); so does the
+    red path in turn (DQ_TMA off, opt-in); neither takes DQ_BULK."""
     reason = _nvrtc_available()
     if reason:
         pytest.skip(reason)
+    from attnx.backends.cuda.compile import kernel_source
+
     found = [v for v in variants.requestable(families.HOPPER, (9, 0)) if v.hopper_backward]
     table = [v for v in found if not v.dq_ordered]
     assert table and all("-DDQ_ORDERED=0" in v.defines() for v in table)
     assert {v for v in found if v.dq_ordered} == {variants.ordered_twin(v) for v in table}
-    todo = [variants.ordered_twin(v) for v in table if v.bf16]
-    assert {v.block_m for v in todo if v.score_mod and v.head_dim == 64} == {64}  # the split by keys
-    for v in todo:
+    twins = [variants.ordered_twin(v) for v in table if v.bf16]
+    assert {v.block_m for v in twins if v.score_mod and v.head_dim == 64} == {64}  # the split by keys
+    assert all(v.dq_late and v.dq_tma for v in twins)
+    for v in twins + [twins[0]._replace(dq_tma=False)]:
         assert "-DDQ_ORDERED=1" in v.defines() and "+ordered" in v.label()
-        ok, log, size = nvrtc_check.nvrtc_compile(v, "sm_90a")
-        assert ok and size > 0, log[:2000]
-    ok, log, _ = nvrtc_check.nvrtc_compile(todo[0]._replace(dq_bulk=True), "sm_90a")
-    assert not ok and "ordered dQ" in log
-
-
-def test_hopper_backward_ordered_twins_with_dq_tma_compile_without_spills():
-    """The opt-in ordered dQ through TMA reduce-adds (DQ_ORDERED + DQ_TMA: thread 128 adds both consumers' staged
-    parts in the query block's turn): every twin builds for sm_90a with no local memory and no wgmma
-    serialisation, in the table's shared-memory budget."""
-    reason = _nvrtc_available()
-    if reason:
-        pytest.skip(reason)
-    twins = [v._replace(dq_tma=True) for v in variants.requestable(families.HOPPER, (9, 0))
-             if v.hopper_backward and v.dq_ordered and v.bf16]
-    assert twins and all(v.dq_late for v in twins)
-    from attnx.backends.cuda.compile import kernel_source
-
-    for v in twins:
-        assert {"-DDQ_ORDERED=1", "-DDQ_TMA=1"} <= set(v.defines()) and "+ordered" in v.label() and "+dqtma" in v.label()
         assert v.shared_bytes() <= variants.max_shared((9, 0))
         ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
                                                    (*cuda_compile.nvrtc_options(v, "sm_90a"), "-Xptxas=-v"))
         assert ok and size > 0, log[:2000]
         assert " 0 bytes spill stores" in log and not any(c in log for c in WGMMA_SERIALISED), log
+    ok, log, _ = nvrtc_check.nvrtc_compile(twins[0]._replace(dq_tma=False, dq_late=False, dq_bulk=True), "sm_90a")
+    assert not ok and "ordered dQ" in log
+
 
 
 @pytest.mark.parametrize("head_dim,head_dim_v,deterministic,hopper", [

@@ -188,7 +188,7 @@ def test_launcher_passes_zeroed_turn_counters_only_to_ordered_variants(monkeypat
     """launch_sm90_bwd.backward with a recording stand-in for the launch (CPU tensors, no GPU): an ordered
     variant gets one more argument, the address of zeroed int32 counters, one per (batch, query head, query
     block of BM); without DQ_TMA the table's variant keeps the 7 arguments of its signature, with it one more:
-    the fp32 map of dq_accum (an ordered variant with DQ_TMA: both, the counters first)."""
+    the fp32 map of dq_accum (the ordered twin, with DQ_TMA: both, the counters first)."""
     import torch
 
     from attnx.autograd import backend_view
@@ -225,7 +225,7 @@ def test_launcher_passes_zeroed_turn_counters_only_to_ordered_variants(monkeypat
     dout = torch.randn_like(out)
     table = launcher.backward_variant_for(p)
     assert table is not None and not table.dq_ordered and table.block_m == 128
-    launcher.backward(p, xv, out, lse, dout, ordered_twin(table))
+    launcher.backward(p, xv, out, lse, dout, ordered_twin(table)._replace(dq_tma=False))
     assert seen == {"grid": 2 * 2 * 8, "args": 8, "counters": [(2 * 4 * 3, 0)]}
     def last_arg(kernel, grid, threads, smem, args, device_index):
         seen.update(args=len(args), last=args[-1])
@@ -235,5 +235,5 @@ def test_launcher_passes_zeroed_turn_counters_only_to_ordered_variants(monkeypat
         launcher.backward(p, xv, out, lse, dout, variant)
         assert seen["args"] == 7 + variant.dq_tma
         assert (seen["last"] == ("dq map", (2, 4, 300, 64), torch.float32)) == variant.dq_tma
-    launcher.backward(p, xv, out, lse, dout, ordered_twin(table)._replace(dq_tma=True))  # the counters, then the map
+    launcher.backward(p, xv, out, lse, dout, ordered_twin(table))  # DQ_TMA in turn: the counters, then the map
     assert seen["args"] == 9 and seen["last"] == ("dq map", (2, 4, 300, 64), torch.float32)

@@ -411,7 +411,7 @@ def hopper_backward_variant(family: Family, bf16: bool, tile: int, score_mod: bo
         return None
     block_m = HOPPER_BACKWARD_TILES[tile][int(score_mod)]
     # dq_late: 0.99-1.08x the plain schedule's speed; dq_tma (its late dQ through TMA reduce-adds) 1.07-1.20x
-    # dq_late's (H200, 2026-12-03 runs 10 and 11, NOTES.md "DQ_LATE", "DQ_TMA"); the ordered twins keep red
+    # dq_late's (H200, 2026-12-03 runs 10 and 11, NOTES.md "DQ_LATE", "DQ_TMA"); the ordered twins too (run 12)
     v = Variant(family.name, "bwd_wgmma", bf16, tile, block_m, HOPPER_BACKWARD_KEYS, 12, score_mod, dq_late=True,
                 dq_tma=True)
     return v if v.shared_bytes() <= max_shared else None
@@ -420,7 +420,9 @@ def hopper_backward_variant(family: Family, bf16: bool, tile: int, score_mod: bo
 def ordered_twin(v: Variant) -> Variant:
     """The deterministic twin of a Hopper backward variant: dQ added in a fixed order of key blocks (on the
     same schedule: with DQ_LATE a step's dQ takes its turn during the next step)."""
-    return v._replace(dq_ordered=True, dq_tma=False)  # (its additions wait for turns: atomic reductions)
+    # (with the table's DQ_TMA: thread 128 adds both consumers' parts in the turn, 1.07-1.11x faster than
+    # red additions in turn on the H200, 2026-12-03 run 12; NOTES.md "Ordered dQ through TMA")
+    return v._replace(dq_ordered=True)
 
 
 def decode_variants(family: Family, bf16: bool, tile: int, score_mod: bool, max_shared: int,
