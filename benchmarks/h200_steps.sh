@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda conformance-torch conformance-triton paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-sweep-paged decode-sanitize decode-sanitize-quick serving-flex decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait dqkeys dqlate ncu-bwd-sass replay recheck nan-fixup decode-fused dqptr dqtma
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-sweep-paged decode-sanitize decode-sanitize-quick serving-flex decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait dqkeys dqlate ncu-bwd-sass replay recheck nan-fixup decode-fused dqptr dqtma conformance-sm80
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -73,6 +73,9 @@ for step in "$@"; do
     gpu-tests) run_step gpu-tests 170 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_cuda_gpu.py ;;
     conformance-cuda) run_step conformance-cuda 170 python3 -m attnx.conformance --backend cuda --profile full \
                --device cuda -q --report "$out/cuda-h200-$(date -u +%F)" ;;
+    # the same grid on the Ampere family's kernels (what an A100 runs, built for sm_90a): forced_family.py
+    conformance-sm80) run_step conformance-sm80 170 python3 -m benchmarks.family_grid sm80 --backend cuda --profile full \
+               --device cuda -q --report "$out/cuda-sm80-on-h200-$(date -u +%F)" ;;
     conformance-torch) run_step conformance-torch 150 python3 -m attnx.conformance --backend torch --profile full \
                --device cuda -q --report "$out/torch-h200-$(date -u +%F)" ;;
     # (run 9 call 4: no result in 240 s with -q on a fresh machine, Triton's cache cold; 2026-12-01 took 30 s
@@ -155,10 +158,11 @@ for step in "$@"; do
     # error, and initcheck, blind to the uninstrumented torch kernels' writes, flags every read of delta
     # and lse). SANITIZE_CASES adds conformance options, e.g. "--exclude FILE" (cases a run already cleared), or
     # "--calls-only" (the backend's calls without the float64 oracle, whose cuBLAS kernels the tool slows most).
+    # SANITIZE_MODULE="benchmarks.family_grid sm80" runs the grid on the Ampere family's kernels.
     sanitize-grid) run_step sanitize-grid 560 bash -c 'for tool in ${SANITIZE_TOOLS:-memcheck synccheck racecheck initcheck}; do
             for i in 0 1 2 3 4 5 6 7; do
                 timeout ${SANITIZE_SECONDS:-130} compute-sanitizer --tool $tool --report-api-errors no ${SANITIZE_EXTRA:-} \
-                    python3 -m attnx.conformance --backend cuda --profile full --device cuda --shard $i/8 ${SANITIZE_CASES:-} \
+                    python3 -m ${SANITIZE_MODULE:-attnx.conformance} --backend cuda --profile full --device cuda --shard $i/8 ${SANITIZE_CASES:-} \
                     > "$0/logs/grid-$tool-$i.txt" 2>&1 &
             done; wait
             for f in "$0"/logs/grid-$tool-?.txt; do  # findings printed before each case line (a case prints when done)

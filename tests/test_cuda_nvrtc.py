@@ -342,6 +342,34 @@ def test_family_for_each_gpu():
     assert families.family_for((7, 5)) is None and families.family_for((10, 0)) is None
 
 
+def test_forced_family_runs_the_ampere_kernels_on_hopper_and_restores(monkeypatch):
+    """`forced_family("sm80")` (how the H200 checks the Ampere family): sm_90 problems get the Ampere family
+    (forward variant, no Hopper backward), older GPUs keep theirs; on exit, and on an error inside, the Hopper
+    family is back; cached per-problem choices are forgotten both ways; an unknown name is a ValueError."""
+    from attnx.backends.cuda import launch_decode
+    from attnx.backends.cuda.backend import _hopper_backward
+    from attnx.backends.cuda.forced_family import forced_family
+
+    p = _problem("sm_90", head_dim=128, needs_grad=True)
+    assert _hopper_backward(p)
+    launch_decode.decode_candidates_for(p)
+    with forced_family("sm80") as family:
+        assert family is families.AMPERE and families.family_for((9, 0)) is families.AMPERE
+        assert families.family_for((7, 5)) is None
+        assert not _hopper_backward(p)
+        assert launch_decode.decode_candidates_for.cache_info().currsize == 0
+        launch_decode.decode_candidates_for(p)
+    assert families.family_for((9, 0)) is families.HOPPER and _hopper_backward(p)
+    assert launch_decode.decode_candidates_for.cache_info().currsize == 0
+    with pytest.raises(RuntimeError), forced_family("sm80"):
+        raise RuntimeError("inside")
+    assert families.family_for((9, 0)) is families.HOPPER
+    with forced_family("sm90"):  # newer than the GPU: ignored
+        assert families.family_for((8, 0)) is families.AMPERE
+    with pytest.raises(ValueError, match="unknown cuda kernel family 'sm70'"), forced_family("sm70"):
+        pass
+
+
 def _problem(arch, **kw):
     base = dict(dtype=torch.bfloat16, batch=2, heads_q=8, seqlen_q=512, head_dim=128, device="cuda",
                 vendor="nvidia", arch=arch)

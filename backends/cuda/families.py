@@ -10,6 +10,7 @@ highest priority runs there. `nvrtc_arch` is the one place the ``-arch`` flag is
 """
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Mapping, NamedTuple, Optional
 
 # Compute capabilities compiled for their arch-specific target ("sm_90a": wgmma, TMA and
@@ -48,8 +49,16 @@ HOPPER = Family(name="sm90", min_capability=(9, 0), max_capability=(9, 0),
 FAMILIES: dict[str, Family] = {f.name: f for f in (AMPERE, HOPPER)}
 
 
+# The family `forced_family` (forced_family.py) sets for its block, or None: the newest covering one runs.
+FORCED: ContextVar[Optional[Family]] = ContextVar("attnx_cuda_forced_family", default=None)
+
+
 def family_for(capability) -> Optional[Family]:
-    """The family that runs on a GPU of `capability`, or None when none covers it."""
+    """The family that runs on a GPU of `capability`, or None when none covers it (inside `forced_family`, the
+    forced one wherever the GPU is at least as new as its oldest GPU)."""
+    forced = FORCED.get()
+    if forced is not None and capability is not None and tuple(capability) >= forced.min_capability:
+        return forced
     fits = [f for f in FAMILIES.values() if capability is not None and f.covers(capability)]
     return max(fits, key=lambda f: f.priority, default=None)
 
