@@ -10,7 +10,6 @@ highest priority runs there. `nvrtc_arch` is the one place the ``-arch`` flag is
 """
 from __future__ import annotations
 
-from contextvars import ContextVar
 from typing import Mapping, NamedTuple, Optional
 
 # Compute capabilities compiled for their arch-specific target ("sm_90a": wgmma, TMA and
@@ -50,13 +49,21 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (AMPERE, HOPPER)}
 
 
 # The family `forced_family` (forced_family.py) sets for its block, or None: the newest covering one runs.
-FORCED: ContextVar[Optional[Family]] = ContextVar("attnx_cuda_forced_family", default=None)
+# Process-wide, not per thread: autograd runs a CUDA backward on its own threads.
+_forced: Optional[Family] = None
+
+
+def swap_forced(family: Optional[Family]) -> Optional[Family]:
+    """Set the forced family (None: none), returning the previous one (forced_family.py's context manager)."""
+    global _forced
+    previous, _forced = _forced, family
+    return previous
 
 
 def family_for(capability) -> Optional[Family]:
     """The family that runs on a GPU of `capability`, or None when none covers it (inside `forced_family`, the
     forced one wherever the GPU is at least as new as its oldest GPU)."""
-    forced = FORCED.get()
+    forced = _forced
     if forced is not None and capability is not None and tuple(capability) >= forced.min_capability:
         return forced
     fits = [f for f in FAMILIES.values() if capability is not None and f.covers(capability)]

@@ -5,14 +5,15 @@ Hopper GPU the Ampere family's forward never runs. Inside ``with forced_family("
 same kernels an A100 runs, built for the GPU's own target (``sm_90a``), with the tile choices that GPU's
 shared memory allows. That is how the Ampere family is checked (conformance, compute-sanitizer) on the
 H200. Choices cached per problem (the dispatcher's, the decode and varlen launchers') are forgotten on
-entry and on exit, so no choice made under one family is reused under the other; the setting is the
-calling thread's (a context variable).
+entry and on exit, so no choice made under one family is reused under the other. The setting is the
+process's, like torch.backends' flags (autograd runs a CUDA backward on its own threads, which must see it
+too): not for concurrent use beside other attention calls.
 """
 from __future__ import annotations
 
 import contextlib
 
-from .families import FAMILIES, FORCED
+from .families import FAMILIES, swap_forced
 
 
 def _forget_choices() -> None:
@@ -34,10 +35,10 @@ def forced_family(name: str):
     family = FAMILIES.get(name)
     if family is None:
         raise ValueError(f"unknown cuda kernel family {name!r}; known: {', '.join(FAMILIES)}")
-    token = FORCED.set(family)
+    previous = swap_forced(family)
     _forget_choices()
     try:
         yield family
     finally:
-        FORCED.reset(token)
+        swap_forced(previous)
         _forget_choices()
