@@ -215,8 +215,8 @@ def test_hopper_backward_dq_ordered_variants_compile():
     run: every table tile has its ordered twin among the requestable variants (so CI builds both), on the
     table's schedule with its additions made by TMA reduce-adds in turn (DQ_TMA: thread 128 adds both
     consumers' staged parts); it builds for sm_90a with no local memory and no wgmma serialisation (the split
-    by keys, whose two consumers take turns on the same dQ elements, only in the score-mod tile); so does the
-    red path in turn (DQ_TMA off, opt-in); neither takes DQ_BULK."""
+    by keys, whose two consumers take turns on the same dQ elements, only in the score-mod tile); so do the
+    red path in turn (DQ_TMA off, opt-in) and the opt-in TURN_EARLY twins; DQ_BULK is refused."""
     reason = _nvrtc_available()
     if reason:
         pytest.skip(reason)
@@ -229,7 +229,10 @@ def test_hopper_backward_dq_ordered_variants_compile():
     twins = [variants.ordered_twin(v) for v in table if v.bf16]
     assert {v.block_m for v in twins if v.score_mod and v.head_dim == 64} == {64}  # the split by keys
     assert all(v.dq_late and v.dq_tma for v in twins)
-    for v in twins + [twins[0]._replace(dq_tma=False)]:
+    early = [v._replace(turn_early=True) for v in twins]
+    assert all("-DTURN_EARLY=1" in v.defines() and "+turnearly" in v.label() for v in early)
+    assert not any("TURN_EARLY" in d for v in found for d in v.defines())  # opt-in: dispatched builds unchanged
+    for v in twins + [twins[0]._replace(dq_tma=False)] + early:
         assert "-DDQ_ORDERED=1" in v.defines() and "+ordered" in v.label()
         assert v.shared_bytes() <= variants.max_shared((9, 0))
         ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
@@ -238,6 +241,8 @@ def test_hopper_backward_dq_ordered_variants_compile():
         assert " 0 bytes spill stores" in log and not any(c in log for c in WGMMA_SERIALISED), log
     ok, log, _ = nvrtc_check.nvrtc_compile(twins[0]._replace(dq_tma=False, dq_late=False, dq_bulk=True), "sm_90a")
     assert not ok and "ordered dQ" in log
+    ok, log, _ = nvrtc_check.nvrtc_compile(twins[0]._replace(dq_ordered=False, turn_early=True), "sm_90a")
+    assert not ok and "TURN_EARLY" in log
 
 
 

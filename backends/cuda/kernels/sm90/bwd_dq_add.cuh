@@ -109,6 +109,16 @@ DEVI void red_dq_in_turn(const float (&dq)[DqSplit<HD, BM>::N / 2], const AttnPa
   if (threadIdx.x == 128) pass_turn(sem);
 }
 
+// TURN_EARLY: thread 128's acquire load of the query block's turn counter, issued before the staging stores so its
+// round trip runs under them (0 when this key block goes first; -1 on the other threads, which do not read it).
+template <int BM>
+DEVI int early_turn_load(const AttnParams& p, const Visibility& vis, const Work& w, int* dq_sem, int hq, int m0) {
+  if (threadIdx.x != 128) return -1;
+  int turn;
+  int* sem = dq_turn<BM>(p, vis, w, dq_sem, hq, m0, &turn);
+  return turn > 0 ? load_acquire(sem) : 0;
+}
+
 // DQ_ORDERED with DQ_TMA: both consumers' staged parts (stores fenced for the async proxy) added by thread 128 in
 // the query block's turn, four boxes of 64 rows x 32 columns (split by keys: consumer 0's completed before
 // consumer 1's are issued, as both add to the same elements). Both consumers call it together. The turn passes
@@ -116,11 +126,12 @@ DEVI void red_dq_in_turn(const float (&dq)[DqSplit<HD, BM>::N / 2], const AttnPa
 // for completion overlaps a GEMM instead of holding the warpgroup.
 template <int HD, int BM, int PART_BYTES, int BOX_BYTES>
 DEVI void tma_dq_in_turn(const TmaMap* tdq, u32 stage0, const AttnParams& p, const Visibility& vis, const Work& w,
-                         int* dq_sem, int hq, int m0) {
+                         int* dq_sem, int hq, int m0, int seen) {
   using Split = DqSplit<HD, BM>;
   int turn;
   int* sem = dq_turn<BM>(p, vis, w, dq_sem, hq, m0, &turn);
-  if (threadIdx.x == 128 && turn > 0) wait_turn(sem, turn);
+  // (TURN_EARLY: `seen` is early_turn_load's value; when it showed the turn, that load was the acquire)
+  if (threadIdx.x == 128 && turn > 0 && !(TURN_EARLY && seen == turn)) wait_turn(sem, turn);
   named_sync(ORDER_BARRIER, 256);  // both parts staged; the turn acquired (one thread) before any addition
   if (threadIdx.x == 128) {
     fence_async_global();  // the acquire before the async proxy's additions
@@ -144,7 +155,10 @@ DEVI void pass_dq_turn(const AttnParams& p, const Visibility& vis, const Work& w
   int* sem = dq_turn<BM>(p, vis, w, dq_sem, hq, m0, &turn);
   bulk_wait_all();
   fence_async_global();
-  pass_turn(sem);
+  if constexpr (TURN_EARLY)
+    release_turn(sem);
+  else
+    pass_turn(sem);
 }
 
 }  // namespace sm90_bwd

@@ -40,6 +40,13 @@
 #ifndef DQ_TMA
 #define DQ_TMA 0
 #endif
+// TURN_EARLY (with DQ_ORDERED and DQ_TMA; opt-in, written 2026-12-03 offline): thread 128 issues the turn's
+// acquire load before the dQ staging stores (its L2 round trip then runs under them; it spins only when that
+// load did not show the turn) and passes the turn with the release alone (it waited for its own adds; the
+// fence.sc.gpu of pass_turn is for the red path, whose reductions are other threads').
+#ifndef TURN_EARLY
+#define TURN_EARLY 0
+#endif
 
 namespace sm90_bwd {
 

@@ -43,5 +43,10 @@ DEVI void wait_turn(const int* sem, int turn) {
 DEVI void pass_turn(int* sem) {
   asm volatile("fence.sc.gpu;\nred.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem) : "memory");
 }
+// The increment as a release alone: enough when the thread itself performed (and waited for) what it releases
+// (TURN_EARLY's TMA adds, after their completion wait and the proxy fence).
+DEVI void release_turn(int* sem) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem) : "memory");
+}
 
 }  // namespace sm90_bwd

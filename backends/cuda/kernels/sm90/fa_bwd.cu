@@ -219,9 +219,11 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
     if constexpr (DQ_TMA && ORD) {
       // the staging is free: the previous additions completed before their turn passed (pass_late_turn),
       // and a barrier of both consumers followed
+      const int seen = TURN_EARLY ? early_turn_load<BM>(p, vis, w, dq_sem, late_hq, late_m0) : 0;
       stage_dq_boxes<DQ_N>(dq_late, base + L::DQT + consumer * L::DQT_PART, warp_in_group, lane);
       fence_async_shared();
-      tma_dq_in_turn<HD, BM, L::DQT_PART, L::DQT_BOX>(tdq, base + L::DQT, p, vis, w, dq_sem, late_hq, late_m0);
+      tma_dq_in_turn<HD, BM, L::DQT_PART, L::DQT_BOX>(tdq, base + L::DQT, p, vis, w, dq_sem, late_hq, late_m0,
+                                                     seen);
     } else if constexpr (DQ_TMA) {
       // the staging is free once the previous reduce-adds have read it (the issuer waits, the barrier tells
       // the others); written, made visible to the async proxy, then one thread adds both boxes
@@ -532,6 +534,7 @@ extern "C" __global__ void __launch_bounds__(sm90_bwd::THREADS, 1)
   static_assert(!(DQ_LATE && (DQ_BULK || DQ_KEYS || SPLIT_WAIT)), "DQ_LATE is written for the red path only");
   static_assert(!DQ_POINTERS || (DQ_LATE && !DQ_ORDERED), "DQ_POINTERS changes DQ_LATE's atomic reductions only");
   static_assert(!DQ_TMA || (DQ_LATE && !DQ_POINTERS), "DQ_TMA replaces DQ_LATE's atomic reductions");
+  static_assert(!TURN_EARLY || (DQ_ORDERED && DQ_TMA), "TURN_EARLY changes the ordered TMA turns only");
 #if !DQ_ORDERED
   int* const dq_sem = nullptr;
 #endif
