@@ -82,10 +82,11 @@ def cases(head_dims=(128, 64)):
 # reductions from two row pointers formed once, or (`dqtma`, over the table) staged in shared memory and added
 # with TMA reduce-adds, or (`orderedred`) the deterministic twin with its turns' additions made by `red` (before
 # 2026-12-03 run 12) instead of TMA reduce-adds, or (`orderedearly`) with TURN_EARLY (the turn's acquire load
-# before the staging stores, the release without fence.sc)
+# before the staging stores, the release without fence.sc), or (`orderedrot`) with DQ_ROTATE (where
+# launch_sm90_bwd.rotation_applies; elsewhere the launcher runs it unrotated)
 CONFIGS = ("table", "plain", "dqbulk", "ordered", "splitwait", "dqkeys", "dqlate", "dqptr", "dqtma", "orderedred",
-           "orderedearly")
-ORDERED = {"ordered", "orderedred", "orderedearly"}  # bitwise-deterministic configurations (checks rerun each case)
+           "orderedearly", "orderedrot")
+ORDERED = {"ordered", "orderedred", "orderedearly", "orderedrot"}  # bitwise-deterministic configurations (checks rerun each case)
 KNOBS = {"dqbulk": "dq_bulk", "splitwait": "split_wait", "dqkeys": "dq_keys", "dqlate": "dq_late",
          "dqptr": "dq_pointers", "dqtma": "dq_tma"}
 OVER_TABLE = {"dqptr", "dqtma"}  # knobs written for the table's schedule (DQ_LATE), applied over it (DQ_TMA off)
@@ -94,7 +95,7 @@ RERUNS = 2  # ORDERED: runs after the first, each compared bit for bit with it
 
 def _variant(p, config):
     """The table's variant for `p`, its deterministic twin ("ordered"; "orderedred": without DQ_TMA;
-    "orderedearly": with TURN_EARLY), or the table's tile with `config`'s knob on over the plain schedule (DQ_LATE and DQ_TMA off: each knob is written
+    "orderedearly": with TURN_EARLY; "orderedrot": with DQ_ROTATE), or the table's tile with `config`'s knob on over the plain schedule (DQ_LATE and DQ_TMA off: each knob is written
     for that one; "plain" is that schedule alone), or, for `OVER_TABLE` knobs, over DQ_LATE."""
     from attnx.backends.cuda.launch_sm90_bwd import backward_variant_for
     from attnx.backends.cuda.variants import ordered_twin
@@ -108,6 +109,8 @@ def _variant(p, config):
         return ordered_twin(v)._replace(dq_tma=False)
     if config == "orderedearly":
         return ordered_twin(v)._replace(turn_early=True)
+    if config == "orderedrot":
+        return ordered_twin(v)._replace(dq_rotate=True)
     if config in OVER_TABLE:  # (each replaces the table's late reductions: the others' off)
         return v._replace(dq_tma=False, **{KNOBS[config]: True}) if v.dq_late and not v.dq_ordered else v
     plain = v._replace(dq_late=False, dq_tma=False)

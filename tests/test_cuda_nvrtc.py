@@ -216,7 +216,8 @@ def test_hopper_backward_dq_ordered_variants_compile():
     table's schedule with its additions made by TMA reduce-adds in turn (DQ_TMA: thread 128 adds both
     consumers' staged parts); it builds for sm_90a with no local memory and no wgmma serialisation (the split
     by keys, whose two consumers take turns on the same dQ elements, only in the score-mod tile); so do the
-    red path in turn (DQ_TMA off, opt-in) and the opt-in TURN_EARLY twins; DQ_BULK is refused."""
+    red path in turn (DQ_TMA off, opt-in) and the opt-in TURN_EARLY and DQ_ROTATE twins; DQ_BULK is refused, and
+    so are TURN_EARLY and DQ_ROTATE without the ordered dQ."""
     reason = _nvrtc_available()
     if reason:
         pytest.skip(reason)
@@ -230,9 +231,11 @@ def test_hopper_backward_dq_ordered_variants_compile():
     assert {v.block_m for v in twins if v.score_mod and v.head_dim == 64} == {64}  # the split by keys
     assert all(v.dq_late and v.dq_tma for v in twins)
     early = [v._replace(turn_early=True) for v in twins]
+    rotated = [v._replace(dq_rotate=True) for v in twins]
     assert all("-DTURN_EARLY=1" in v.defines() and "+turnearly" in v.label() for v in early)
-    assert not any("TURN_EARLY" in d for v in found for d in v.defines())  # opt-in: dispatched builds unchanged
-    for v in twins + [twins[0]._replace(dq_tma=False)] + early:
+    assert all("-DDQ_ROTATE=1" in v.defines() and "+rotate" in v.label() for v in rotated)
+    assert not any("TURN_EARLY" in d or "DQ_ROTATE" in d for v in found for d in v.defines())  # opt-in
+    for v in twins + [twins[0]._replace(dq_tma=False)] + early + rotated:
         assert "-DDQ_ORDERED=1" in v.defines() and "+ordered" in v.label()
         assert v.shared_bytes() <= variants.max_shared((9, 0))
         ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
@@ -241,8 +244,9 @@ def test_hopper_backward_dq_ordered_variants_compile():
         assert " 0 bytes spill stores" in log and not any(c in log for c in WGMMA_SERIALISED), log
     ok, log, _ = nvrtc_check.nvrtc_compile(twins[0]._replace(dq_tma=False, dq_late=False, dq_bulk=True), "sm_90a")
     assert not ok and "ordered dQ" in log
-    ok, log, _ = nvrtc_check.nvrtc_compile(twins[0]._replace(dq_ordered=False, turn_early=True), "sm_90a")
-    assert not ok and "TURN_EARLY" in log
+    for knob, name in (("turn_early", "TURN_EARLY"), ("dq_rotate", "DQ_ROTATE")):
+        ok, log, _ = nvrtc_check.nvrtc_compile(twins[0]._replace(dq_ordered=False, **{knob: True}), "sm_90a")
+        assert not ok and name in log
 
 
 

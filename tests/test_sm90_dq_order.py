@@ -8,8 +8,11 @@ contributors above it, and every thread block it waits for has a lower blockIdx.
 itself runs under random schedules with few resident thread blocks (in-order dispatch), on the plain
 schedule and on DQ_LATE's (each addition a step late): it never deadlocks, and each query block sees its
 additions in the same order on every schedule. The same model with the key blocks in ascending grid order
-deadlocks (the check can fail). Last, the launcher with a recording stand-in for the launch: the counters
-reach the kernel only for ordered variants.
+deadlocks (the check can fail). The opt-in rotated walk (DQ_ROTATE, for problems where every query sees
+every key): its turns follow each query block's visit order, its protocol runs without deadlock when a
+head's key blocks are all resident (and deadlocks when not: why the launcher asks for that), and a
+lockstep model shows the chain of turns it removes. Last, the launcher with a recording stand-in for the
+launch: the counters reach the kernel only for ordered variants.
 """
 import random
 
@@ -56,8 +59,24 @@ def work_of(vis, bm, nblk, block, ordered=True):
     return n, m_first, m_count
 
 
-def turn_of(vis, bm, n, m):
-    """The counter value key block n waits for on query block m (kernel: k_hi / BN - n0 / BN)."""
+def rotation_stride(vis, bm):
+    """DQ_ROTATE's k = M / N (bwd_roles.cuh rotation_stride)."""
+    return (-(-vis.sq // bm)) // (-(-vis.sk // BN))
+
+
+def walk(vis, bm, n, m_first, m_count, group, rotate=False):
+    """The (query head, query block) steps of key block n in order (step_head, step_m0; DQ_ROTATE: each head's
+    query blocks from rot = k n % m_count on, cyclically)."""
+    rot = rotation_stride(vis, bm) * n % m_count if rotate and m_count else 0
+    return [(h, m_first + (i + rot) % m_count) for h in range(group) for i in range(m_count)]
+
+
+def turn_of(vis, bm, n, m, rotate=False):
+    """The counter value key block n waits for on query block m (kernel: k_hi / BN - n0 / BN; DQ_ROTATE:
+    (min(m / k, N - 1) - n) mod N)."""
+    if rotate:
+        nblk = -(-vis.sk // BN)
+        return (min(m // rotation_stride(vis, bm), nblk - 1) - n) % nblk
     m0 = m * bm
     _, k_hi = vis.keys_seen(m0, min(m0 + bm, vis.sq) - 1)
     return cdiv0(k_hi, BN) - n
@@ -105,7 +124,7 @@ def check_formulas(vis, bm):
             assert all(walks[x][0] < walks[n][0] for x in above)
 
 
-def run_protocol(vis, bm, group, resident, rng, ordered=True, late=False, max_ticks=200000):
+def run_protocol(vis, bm, group, resident, rng, ordered=True, late=False, max_ticks=200000, rotate=False):
     """Thread blocks of one (batch, kv head) dispatched in blockIdx order into `resident` slots; each tick a
     random resident one advances one step if its turn has come. `late` (DQ_LATE): a step's addition waits
     until the block has begun its next step (or left the loop), local work that waits for no other block,
@@ -119,12 +138,12 @@ def run_protocol(vis, bm, group, resident, rng, ordered=True, late=False, max_ti
         while pending and len(running) < resident:
             block = pending.pop(0)
             n, m_first, m_count = work_of(vis, bm, nblk, block, ordered)
-            steps = [(h, m_first + i) for h in range(group) for i in range(m_count)]
+            steps = walk(vis, bm, n, m_first, m_count, group, rotate)
             running[block] = [n, steps, 0, not late]  # the last: the next step begun (always, unless late)
         if not running:
             return order
         ready = [b for b, (n, steps, i, begun) in running.items()
-                 if i == len(steps) or not begun or counters.get(steps[i], 0) == turn_of(vis, bm, n, steps[i][1])]
+                 if i == len(steps) or not begun or counters.get(steps[i], 0) == turn_of(vis, bm, n, steps[i][1], rotate)]
         if not ready:
             return None  # every resident block waits: deadlock
         block = rng.choice(ready)
@@ -182,6 +201,102 @@ def test_model_catches_a_deadlock():
     vis = Vis(1000, 1000, 0, UNBOUNDED, 0)
     assert run_protocol(vis, 64, 1, 2, random.Random(0), ordered=False) is None
     assert run_protocol(vis, 64, 1, 2, random.Random(0), ordered=False, late=True) is None
+
+
+# every query sees every key; at least as many query blocks as key blocks
+FULL_SHAPES = [(sq, sk, bm) for bm in (64, 128) for sq in (1, 64, 65, 300, 1000, 4096)
+               for sk in (1, 128, 129, 700, 1000) if -(-sq // bm) >= -(-sk // BN)]
+
+
+@pytest.mark.parametrize("sq,sk,bm", FULL_SHAPES)
+def test_rotated_turns_follow_the_visit_order(sq, sk, bm):
+    """DQ_ROTATE on a problem where every query sees every key: every key block visits every query block once;
+    on each query block the turns are a permutation of 0..N-1 that follows the order of the visits in steps,
+    consecutive adders at least k = M / N steps apart (the lockstep walk puts them at the same step)."""
+    vis = Vis(sq, sk, sk - sq, UNBOUNDED, UNBOUNDED)
+    nblk, mblk, k = -(-sk // BN), -(-sq // bm), rotation_stride(vis, bm)
+    assert k >= 1
+    visits = {}  # m -> [(step, turn)] over the key blocks
+    for n in range(nblk):
+        _, m_first, m_count = work_of(vis, bm, nblk, nblk - 1 - n)
+        assert (m_first, m_count) == (0, mblk)
+        steps = walk(vis, bm, n, m_first, m_count, 1, rotate=True)
+        assert sorted(m for _, m in steps) == list(range(mblk))
+        for step, (_, m) in enumerate(steps):
+            visits.setdefault(m, []).append((step, turn_of(vis, bm, n, m, rotate=True)))
+    for m, seen in visits.items():
+        seen.sort()
+        assert [t for _, t in seen] == list(range(nblk))  # turn order == visit order
+        assert all(b - a >= k for (a, _), (b, _) in zip(seen, seen[1:]))
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["plain", "dq_late"])
+def test_rotated_protocol_runs_when_a_heads_blocks_are_resident(late):
+    """The rotated turns under random schedules: with a head's key blocks all resident (what rotation_applies
+    asks: no more key blocks than SMs) no deadlock and the same order of additions on every schedule, equal to
+    the turns; with fewer resident blocks the model finds the deadlock the launcher's condition avoids."""
+    rng = random.Random(7)
+    for sq, sk, bm in [(1000, 700, 64), (4096, 1000, 128), (300, 129, 64), (65, 1, 64)]:
+        vis = Vis(sq, sk, sk - sq, UNBOUNDED, UNBOUNDED)
+        nblk = -(-sk // BN)
+        for group in (1, 2):
+            first = None
+            for _ in range(3):
+                order = run_protocol(vis, bm, group, nblk, rng, late=late, rotate=True)
+                assert order is not None, "deadlock"
+                for (h, m), ns in order.items():
+                    assert [turn_of(vis, bm, n, m, rotate=True) for n in ns] == list(range(nblk))
+                first = order if first is None else first
+                assert order == first
+    vis = Vis(1000, 1000, 0, UNBOUNDED, UNBOUNDED)
+    assert run_protocol(vis, 64, 1, 2, random.Random(0), late=late, rotate=True) is None
+
+
+def lockstep_ticks(vis, bm, rotate):
+    """Ticks until every key block of one head finishes, all resident, each advancing one step per tick when
+    its turn was passed at an earlier tick (a turn takes a tick to reach the next block)."""
+    nblk = -(-vis.sk // BN)
+    walks = {n: walk(vis, bm, *work_of(vis, bm, nblk, nblk - 1 - n), 1, rotate) for n in range(nblk)}
+    position, counters, tick = {n: 0 for n in walks}, {}, 0
+    while any(position[n] < len(w) for n, w in walks.items()):
+        tick += 1
+        done = [n for n, w in walks.items() if position[n] < len(w)
+                and counters.get(w[position[n]], 0) == turn_of(vis, bm, n, w[position[n]][1], rotate)]
+        for n in done:  # (counters change after the tick: the next block sees them a tick later)
+            counters[walks[n][position[n]]] = counters.get(walks[n][position[n]], 0) + 1
+            position[n] += 1
+    return tick
+
+
+def test_rotation_removes_the_lockstep_chain():
+    """Why DQ_ROTATE: in lockstep every key block waits a tick per block above it on the first query block,
+    so one head takes M + N - 1 ticks; rotated, the turns are passed before they are needed: M ticks."""
+    for sq, sk, bm in [(16384, 16384, 64), (4096, 4096, 128), (2000, 1000, 64)]:
+        vis = Vis(sq, sk, 0, UNBOUNDED, UNBOUNDED)
+        nblk, mblk = -(-sk // BN), -(-sq // bm)
+        assert lockstep_ticks(vis, bm, rotate=False) == mblk + nblk - 1
+        assert lockstep_ticks(vis, bm, rotate=True) == mblk
+
+
+def test_rotation_applies_only_where_every_query_sees_every_key():
+    """launch_sm90_bwd.rotation_applies: full visibility, M >= N >= 1 and N <= SMs; causal masks, windows, more
+    key blocks than query blocks or than SMs keep the plain ordered walk."""
+    import torch
+
+    from attnx.backends.cuda.launch_sm90_bwd import rotation_applies
+    from attnx.problem import Problem
+
+    def problem(sq, sk, **kw):
+        return Problem.create(dtype=torch.bfloat16, batch=1, heads_q=2, seqlen_q=sq, seqlen_k=sk, head_dim=128,
+                              device="cuda", vendor="nvidia", arch="sm_90", needs_grad=True, deterministic=True, **kw)
+
+    assert rotation_applies(problem(16384, 16384), 64, 128, 132)
+    assert rotation_applies(problem(4096, 4096), 128, 128, 132)
+    assert not rotation_applies(problem(16384, 16384), 64, 128, 100)  # 128 key blocks, 100 SMs
+    assert not rotation_applies(problem(256, 4096), 64, 128, 132)  # 4 query blocks, 32 key blocks
+    assert not rotation_applies(problem(4096, 4096, causal=True), 64, 128, 132)
+    assert not rotation_applies(problem(4096, 4096, window=(256, 256)), 64, 128, 132)
+    assert rotation_applies(problem(4096, 1), 64, 128, 132)  # one key block: nothing to rotate, nothing wrong
 
 
 def test_launcher_passes_zeroed_turn_counters_only_to_ordered_variants(monkeypatch):

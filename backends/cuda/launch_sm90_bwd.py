@@ -10,7 +10,8 @@ gradient are the same torch ops as there.
 Deterministic problems get the variant with `dq_ordered`: dQ is added into each query block in a fixed
 order of key blocks, so dq is the same bits on every run (148/148 cases over reruns on the H200
 2026-12-03, 1.14-1.30x the atomic variant's time); it takes one more kernel argument, the zeroed int32
-turn counters (B, Hq, ceil(Sq / BM)) allocated here.
+turn counters (B, Hq, ceil(Sq / BM)) allocated here. The opt-in `dq_rotate` (DQ_ROTATE, not run on a GPU yet)
+rotates each key block's walk where `rotation_applies`; elsewhere the same variant runs without it.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 
 from attnx.errors import InvalidArgumentError
 from attnx.inputs import Grads, Inputs
+from attnx.limits import kernel_window
 
 from .compile import get_kernel
 from .families import nvrtc_arch
@@ -42,6 +44,17 @@ def backward_variant_for(p) -> Variant | None:
     return hopper_backward_variant(family, p.dtype == torch.bfloat16, tile, score_mod(p), max_shared(p.capability))
 
 
+def rotation_applies(p, block_m: int, block_n: int, sm_count: int) -> bool:
+    """Whether the ordered dQ's rotated walk (`dq_rotate`, DQ_ROTATE) is right and safe for `p`: every query sees
+    every key (no causal mask or window cuts any: then every key block adds to every query block), at least as
+    many query blocks as key blocks (the rotation's stride M / N >= 1), and no more key blocks per head than
+    SMs (one block per SM: a head's blocks all resident at once, which its turns then need)."""
+    left, right = kernel_window(p)
+    query_blocks, key_blocks = math.ceil(p.seqlen_q / block_m), math.ceil(p.seqlen_k / block_n)
+    sees_all = p.seqlen_q - 1 + p.key_offset - left <= 0 and p.key_offset + right >= p.seqlen_k - 1
+    return sees_all and 1 <= key_blocks <= min(query_blocks, sm_count)
+
+
 def backward(p, x: Inputs, out, lse, dout, variant: Variant | None = None, *, poison: bool = False) -> Grads:
     """dq, dk, dv (and dsinks) of one attention call on the Hopper backward.
 
@@ -54,6 +67,9 @@ def backward(p, x: Inputs, out, lse, dout, variant: Variant | None = None, *, po
         raise InvalidArgumentError(f"the Hopper backward has no tile for head dims {p.head_dim}/{p.head_dim_v} "
                                    f"on {p.arch} (it runs on sm_90 only, head dims up to 128)")
     device_index = _device_index(x.q)
+    if variant.dq_rotate and not rotation_applies(p, variant.block_m, variant.block_n,
+                                                  torch.cuda.get_device_properties(device_index).multi_processor_count):
+        variant = variant._replace(dq_rotate=False)  # (a schedule for problems where every query sees every key)
     b = backward_operands(p, x, out, lse, dout)
     # dq_accum rows are whole head-dim tiles: the kernel adds every column of its tile
     dq_accum = torch.zeros(p.batch, p.heads_q, p.seqlen_q, variant.head_dim, device=b.q.device, dtype=torch.float32)

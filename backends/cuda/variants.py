@@ -63,6 +63,9 @@ class Variant(NamedTuple):
     turn_early: bool = False  # Hopper bwd, dq_ordered + dq_tma: the turn's acquire load issued before the dQ
                               # staging stores, the release without fence.sc (TURN_EARLY; opt-in, written
                               # 2026-12-03 offline, not run on a GPU yet)
+    dq_rotate: bool = False  # Hopper bwd, dq_ordered: each key block's walk over the query blocks rotated so a
+                             # query block's turns come one after another in time (DQ_ROTATE; opt-in, written
+                             # 2026-12-03 offline, not run on a GPU yet; launch_sm90_bwd.rotation_applies)
     atomic_dq: bool = True  # bwd: the dK pass adds dQ with fp32 atomics (False: the deterministic backward's
                             # dK/dV kernel, whose dQ is the bwd_dq pass)
     exact_alpha: bool = False  # fwd (both families) and decode: the online softmax's rescale factor from the rounded
@@ -120,6 +123,8 @@ class Variant(NamedTuple):
                 d["DQ_TMA"] = 1
             if self.turn_early:  # (likewise)
                 d["TURN_EARLY"] = 1
+            if self.dq_rotate:  # (likewise)
+                d["DQ_ROTATE"] = 1
             d["SHARED_BYTES"] = self.shared_bytes()  # the kernel asserts its layout needs exactly this
         elif self.kernel == "bwd":
             d.update(DO_DV=int(self.do_dv), DO_DK=int(self.do_dk), DQ_ATOMIC=int(self.atomic_dq))
@@ -192,6 +197,7 @@ class Variant(NamedTuple):
                   + ("+splitwait" if self.split_wait else "") + ("+dqkeys" if self.dq_keys else "")
                   + ("+dqlate" if self.dq_late else "") + ("+dqptr" if self.dq_pointers else "")
                   + ("+dqtma" if self.dq_tma else "") + ("+turnearly" if self.turn_early else "")
+                  + ("+rotate" if self.dq_rotate else "")
                   if self.hopper_backward else "")
         stages = f" s{self.stages}" if self.kernel in ("fwd", "bwd_dq", "decode") else ""
         stages += ("+overlap" if self.overlap else "") + ("+pingpong" if self.pingpong else "")

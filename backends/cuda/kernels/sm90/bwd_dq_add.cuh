@@ -81,6 +81,11 @@ template <int BM>
 DEVI int* dq_turn(const AttnParams& p, const Visibility& vis, const Work& w, int* dq_sem, int hq, int m0,
                   int* turn) {
   int* sem = dq_sem + ((long long)w.b * p.heads_q + hq) * ((p.seqlen_q + BM - 1) / BM) + m0 / BM;
+  if constexpr (DQ_ROTATE) {  // every key block adds to every query block, in the rotated walk's visit order
+    const int n = p.num_blocks, first = min(m0 / BM / rotation_stride(p, BM), n - 1);
+    *turn = (first - w.n0 / BN + n) % n;
+    return sem;
+  }
   int k_lo, k_hi;
   keys_seen(vis, m0, min(m0 + BM, vis.seqlen_q) - 1, &k_lo, &k_hi);
   *turn = k_hi / BN - w.n0 / BN;

@@ -47,6 +47,14 @@
 #ifndef TURN_EARLY
 #define TURN_EARLY 0
 #endif
+// DQ_ROTATE (with DQ_ORDERED; opt-in, written 2026-12-03 offline): for problems where every query sees every key,
+// M query blocks, N <= M key blocks all resident at once (the launcher checks all three: rotation_applies),
+// key block n walks the query blocks from k n (k = M / N) cyclically, and query block m takes its adders in
+// that walk's visit order: rank (min(m / k, N - 1) - n) mod N (dq_turn), so consecutive adders of a query
+// block visit it at least k steps apart instead of in lockstep (NOTES.md "Ordered dQ through TMA").
+#ifndef DQ_ROTATE
+#define DQ_ROTATE 0
+#endif
 
 namespace sm90_bwd {
 
@@ -128,7 +136,13 @@ struct Work {
   int b, hk, n0;
   int m_first, m_count;  // query blocks some query of which sees a key of the block
   int steps;             // m_count x group
+  int rot;               // DQ_ROTATE: the walk's first query block inside each head (else unused)
 };
+
+// DQ_ROTATE: query blocks per key block of the rotation (k = M / N >= 1, checked by the launcher).
+DEVI int rotation_stride(const AttnParams& p, int block_m) {
+  return ((p.seqlen_q + block_m - 1) / block_m) / p.num_blocks;
+}
 
 // Key block of thread block `block` inside its (batch, kv head): DQ_ORDERED runs them from the last
 // to the first (the order of its dQ turns: a thread block only waits for ones launched before it).
@@ -152,12 +166,17 @@ DEVI Work work_of(const AttnParams& p, const Visibility& vis) {
   w.m_first = q_lo / BM;
   w.m_count = q_hi >= q_lo ? q_hi / BM - w.m_first + 1 : 0;
   w.steps = w.m_count * p.group;
+  if constexpr (DQ_ROTATE) w.rot = w.m_count > 0 ? rotation_stride(p, BM) * nb % w.m_count : 0;
   return w;
 }
 
 DEVI int step_head(const AttnParams& p, const Work& w, int i) { return w.hk * p.group + i / w.m_count; }
 template <int BM>
 DEVI int step_m0(const Work& w, int i) {
+  if constexpr (DQ_ROTATE) {
+    int j = i % w.m_count + w.rot;
+    return (w.m_first + (j >= w.m_count ? j - w.m_count : j)) * BM;
+  }
   return (w.m_first + i % w.m_count) * BM;
 }
 

@@ -535,6 +535,7 @@ extern "C" __global__ void __launch_bounds__(sm90_bwd::THREADS, 1)
   static_assert(!DQ_POINTERS || (DQ_LATE && !DQ_ORDERED), "DQ_POINTERS changes DQ_LATE's atomic reductions only");
   static_assert(!DQ_TMA || (DQ_LATE && !DQ_POINTERS), "DQ_TMA replaces DQ_LATE's atomic reductions");
   static_assert(!TURN_EARLY || (DQ_ORDERED && DQ_TMA), "TURN_EARLY changes the ordered TMA turns only");
+  static_assert(!DQ_ROTATE || DQ_ORDERED, "DQ_ROTATE is a walk for the ordered dQ's turns");
 #if !DQ_ORDERED
   int* const dq_sem = nullptr;
 #endif
