@@ -16,7 +16,7 @@ from collections import defaultdict
 import torch
 
 from .backward_check import bench
-from .cuda_decode import _graphed, _paged_copy, llama_decode_inputs
+from .decode_timing import graphed, llama_decode_inputs, paged_copy
 
 REPLAYS = 20
 
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         for fmt in args.formats.split(","):
             kk, vv, kw = k, v, dict(seqlens_k=lens)
             if fmt == "paged16":
-                kk, vv, table = _paged_copy(k, v, 16)
+                kk, vv, table = paged_copy(k, v, 16)
                 kw["page_table"] = table
             p, x = make_call(q, kk, vv, grad_inputs=(), **kw)
             p = p._replace(arch=f"sm_{major}{minor}")
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
             splits = launch_decode.prepare(p, xv, sms).splits
             runs.append((f"{fmt} s{splits}", lambda p=p, xv=xv: launch_decode.forward(p, xv)))
         for what, fn in runs:
-            replay = _graphed(fn)
+            replay = graphed(fn)
             if replay is None:
                 continue
             wall_us = bench(replay) * 1e3

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from .cuda_decode import (_graphed, _paged_copy, check, kernel_forward, llama_decode_inputs, tile_cases, tile_label,
-                          tile_variant)
+from .cuda_decode import check, kernel_forward, tile_cases, tile_label, tile_variant
+from .decode_timing import graphed, llama_decode_inputs, paged_copy
 
 
 def _sweep_problem(b, s, fmt, head_dim, arch="sm_90"):
@@ -104,7 +104,7 @@ def sweep(tiles, batches, lengths, formats, max_gb: float, head_dim: int = 128, 
         def cudnn():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        replay = _graphed(cudnn)
+        replay = graphed(cudnn)
         ms = quick(replay) if replay is not None else float("nan")
         ref_gbps = gbytes / ms * 1e3
         print(f"{b:>3} {s:>7} {'dense':<8} {'cudnn':<11} {'':>4} {'':>3} {'':>6} {ms:8.3f} {ref_gbps:7.0f}",
@@ -112,7 +112,7 @@ def sweep(tiles, batches, lengths, formats, max_gb: float, head_dim: int = 128, 
         for fmt in formats:
             kk, vv, kw = k, v, ({} if fmt == "dense" else dict(seqlens_k=lens))
             if fmt.startswith("paged"):
-                kk, vv, table_ = _paged_copy(k, v, int(fmt[5:]))
+                kk, vv, table_ = paged_copy(k, v, int(fmt[5:]))
                 kw["page_table"] = table_
             p, x = make_call(q, kk, vv, grad_inputs=(), **kw)
             p = p._replace(arch=arch)
@@ -126,7 +126,7 @@ def sweep(tiles, batches, lengths, formats, max_gb: float, head_dim: int = 128, 
                     continue
                 n = forced or None
                 splits = launch_decode.prepare(p, xv, sms, variant=tv, splits=n).splits
-                replay = _graphed(lambda: launch_decode.forward(p, xv, variant=tv, splits=n))
+                replay = graphed(lambda: launch_decode.forward(p, xv, variant=tv, splits=n))
                 ms = quick(replay) if replay is not None else float("nan")
                 gbps = gbytes / ms * 1e3
                 err = ""
