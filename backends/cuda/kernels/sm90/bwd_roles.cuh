@@ -35,8 +35,8 @@
 // DQ_TMA (with DQ_LATE; the table's since 2026-12-03, 1.07-1.20x DQ_LATE alone on the H200): the late dQ part
 // goes to shared memory (two 64 x 32 fp32 boxes, 128-byte swizzle) and one thread adds it to dq_accum with
 // TMA reduce-adds, so the consumers issue 16 shared stores instead of 16 global reductions between S^T's
-// issue and dP^T's (FlashAttention-3's dQ path). With DQ_ORDERED (opt-in, written 2026-12-03): thread 128 adds
-// both consumers' parts in the query block's turn and passes the turn once they completed, beside dP^T's GEMM.
+// issue and dP^T's (FlashAttention-3's dQ path). With DQ_ORDERED (the ordered twins' since 2026-12-03 run 12): thread
+// 128 adds both consumers' parts in the query block's turn and passes it once they completed, beside dP^T's GEMM.
 #ifndef DQ_TMA
 #define DQ_TMA 0
 #endif
