@@ -95,3 +95,23 @@ def test_call_profile_reports_the_pick_and_the_tables(capsys):
     out = capsys.readouterr().out
     assert out.count("ms per step (queued") == 2 and "attnx picks" in out and "causal=True" in out
     assert "Python profile" in out and "tottime" in out
+
+
+def test_family_grid_runs_the_conformance_tools_under_the_forced_family(monkeypatch, capsys):
+    """`python -m benchmarks.family_grid FAMILY [fuzz] ...`: the conformance CLI (or the fuzzer's) runs inside
+    forced_family(FAMILY), which is off again afterwards; no family name is a usage error (exit 2)."""
+    import attnx.conformance.__main__ as conformance_cli
+    from attnx.backends.cuda import families
+    from benchmarks import family_grid
+
+    seen = []
+    monkeypatch.setattr(conformance_cli, "main", lambda argv: seen.append(
+        (list(argv), families.family_for((9, 0)).name)) or 0)
+    assert family_grid.main(["sm80", "--backend", "cuda", "--list"]) == 0
+    assert seen == [(["--backend", "cuda", "--list"], "sm80")]
+    assert families.family_for((9, 0)).name == "sm90"
+    import attnx.conformance.fuzz as fuzz_cli
+    monkeypatch.setattr(fuzz_cli, "main", lambda argv: seen.append((list(argv), families.family_for((9, 0)).name)) or 1)
+    assert family_grid.main(["sm80", "fuzz", "--count", "3"]) == 1  # the tool's exit status
+    assert seen[-1] == (["--count", "3"], "sm80") and families.family_for((9, 0)).name == "sm90"
+    assert family_grid.main([]) == 2 and family_grid.main(["--backend", "cuda"]) == 2
