@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda conformance-torch conformance-triton paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-sweep-paged decode-sanitize decode-sanitize-quick serving-flex decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait dqkeys dqlate ncu-bwd-sass replay recheck nan-fixup decode-fused dqptr dqtma conformance-sm80 ordered-next
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-sweep-paged decode-sanitize decode-sanitize-quick serving-flex decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait dqkeys dqlate ncu-bwd-sass replay recheck nan-fixup decode-fused dqptr dqtma conformance-sm80 writer-next
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -111,16 +111,18 @@ for step in "$@"; do
                 ncu --import "$0/logs/bwd.ncu-rep" --page details > "$0/logs/ncu-bwd-details.txt" &&
                 ncu --import "$0/logs/bwd.ncu-rep" --page source --csv --print-source sass > "$0/logs/ncu-bwd-sass.csv" &&
                 gzip -f "$0/logs/ncu-bwd-sass.csv" && rm -f "$0/logs/bwd.ncu-rep"' "$out" ;;
-    # TURN_EARLY and DQ_ROTATE over the ordered twin (written offline 2026-12-03): each checked (same bits over
-    # reruns), then both timed beside it, then the sanitizers on each one's small cases
-    ordered-next) for c in orderedearly orderedrot; do run_step $c-check 200 python3 -m benchmarks.hopper_backward \
-                check --configs $c; done
-            cfgs=table,ordered; for c in orderedearly orderedrot; do [ -n "${passed[$c-check]:-}" ] && cfgs+=,$c; done
-            [ "$cfgs" != table,ordered ] && run_step ordered-next-time 200 python3 -m benchmarks.hopper_backward time \
+    # DQ_WRITER (2026-12-03 run 13) over the ordered twin (alone and with DQ_ROTATE) and over the table: each
+    # checked (the ordered ones: same bits over reruns), then timed beside both, then the sanitizers on small cases
+    writer-next) for c in orderedwriter orderedwriterrot dqwriter; do run_step $c-check 200 python3 -m \
+                benchmarks.hopper_backward check --configs $c; done
+            cfgs=table,ordered; for c in dqwriter orderedwriter orderedwriterrot; do
+                [ -n "${passed[$c-check]:-}" ] && cfgs+=,$c; done
+            [ "$cfgs" != table,ordered ] && run_step writer-next-time 200 python3 -m benchmarks.hopper_backward time \
                 --configs $cfgs --seqlens 4096,16384
-            for c in orderedearly orderedrot; do for tool in memcheck synccheck; do [ -n "${passed[$c-check]:-}" ] &&
-                run_step $c-$tool 100 compute-sanitizer --tool $tool --report-api-errors no python3 -m \
-                benchmarks.hopper_backward check --configs $c --max-scores 20000; done; done ;;
+            for c in orderedwriter dqwriter; do for tool in memcheck synccheck racecheck; do
+                [ -n "${passed[$c-check]:-}" ] && run_step $c-$tool 100 compute-sanitizer --tool $tool \
+                --report-api-errors no python3 -m benchmarks.hopper_backward check --configs $c --max-scores 20000
+                done; done ;;
     # the Hopper backward's ordered dQ (deterministic): 148 cases x 3 runs, same bits; then its cost beside the
     # table's and the twin's with red additions in turn (orderedred: before run 12)
     ordered) run_step ordered-check 200 python3 -m benchmarks.hopper_backward check --configs ordered

@@ -80,15 +80,18 @@ def cases(head_dims=(128, 64)):
 # at a time (P^T computed while dP^T's GEMM runs), or with dQ split by keys and no per-step barrier, or
 # with each step's dQ waited for and added in the next step, or (`dqptr`, over the table) with those late
 # reductions from two row pointers formed once, or (`dqtma`, over the table) staged in shared memory and added
-# with TMA reduce-adds, or (`orderedred`) the deterministic twin with its turns' additions made by `red` (before
-# 2026-12-03 run 12) instead of TMA reduce-adds, or (`orderedearly`) with TURN_EARLY (the turn's acquire load
-# before the staging stores, the release without fence.sc), or (`orderedrot`) with DQ_ROTATE (where
-# launch_sm90_bwd.rotation_applies; elsewhere the launcher runs it unrotated)
-CONFIGS = ("table", "plain", "dqbulk", "ordered", "splitwait", "dqkeys", "dqlate", "dqptr", "dqtma", "orderedred",
-           "orderedearly", "orderedrot")
+# with TMA reduce-adds, or (`dqwriter`) the table with those adds made by a writer warp (DQ_WRITER), or the
+# deterministic twin changed: (`orderedfence`) without TURN_EARLY (the twin of 2026-12-03 run 12), (`orderedred`)
+# its turns' additions made by `red` (before run 12), (`orderedrot`) with DQ_ROTATE (where
+# launch_sm90_bwd.rotation_applies; elsewhere the launcher runs it unrotated), (`orderedwriter`) with DQ_WRITER,
+# (`orderedwriterrot`) with both
+CONFIGS = ("table", "plain", "dqbulk", "ordered", "splitwait", "dqkeys", "dqlate", "dqptr", "dqtma", "dqwriter",
+           "orderedfence", "orderedred", "orderedrot", "orderedwriter", "orderedwriterrot")
 # bitwise-deterministic configurations (their checks rerun each case): the ordered twin with these fields changed
-ORDERED = {"ordered": {}, "orderedred": {"dq_tma": False}, "orderedearly": {"turn_early": True},
-           "orderedrot": {"dq_rotate": True}}
+ORDERED = {"ordered": {}, "orderedfence": {"turn_early": False}, "orderedred": {"dq_tma": False, "turn_early": False},
+           "orderedrot": {"dq_rotate": True}, "orderedwriter": {"turn_early": False, "dq_writer": True},
+           "orderedwriterrot": {"turn_early": False, "dq_writer": True, "dq_rotate": True}}
+TABLE_CHANGES = {"dqwriter": {"dq_writer": True}}  # the table itself with these fields changed
 KNOBS = {"dqbulk": "dq_bulk", "splitwait": "split_wait", "dqkeys": "dq_keys", "dqlate": "dq_late",
          "dqptr": "dq_pointers", "dqtma": "dq_tma"}
 OVER_TABLE = {"dqptr", "dqtma"}  # knobs written for the table's schedule (DQ_LATE), applied over it (DQ_TMA off)
@@ -97,7 +100,7 @@ RERUNS = 2  # ORDERED: runs after the first, each compared bit for bit with it
 
 def _variant(p, config):
     """The table's variant for `p`, its deterministic twin ("ordered", what deterministic problems run, or an
-    `ORDERED` change of it), or the table's tile with `config`'s knob on over the plain schedule (DQ_LATE and
+    `ORDERED` change of it), a `TABLE_CHANGES` change of the table, or the table's tile with `config`'s knob on over the plain schedule (DQ_LATE and
     DQ_TMA off: each knob is written for that one; "plain" is that schedule alone), or, for `OVER_TABLE` knobs,
     over DQ_LATE."""
     from attnx.backends.cuda.launch_sm90_bwd import backward_variant_for
@@ -108,6 +111,8 @@ def _variant(p, config):
         return v
     if config in ORDERED:
         return ordered_twin(v)._replace(**ORDERED[config])
+    if config in TABLE_CHANGES:
+        return v._replace(**TABLE_CHANGES[config])
     if config in OVER_TABLE:  # (each replaces the table's late reductions: the others' off)
         return v._replace(dq_tma=False, **{KNOBS[config]: True}) if v.dq_late and not v.dq_ordered else v
     plain = v._replace(dq_late=False, dq_tma=False)

@@ -61,11 +61,14 @@ class Variant(NamedTuple):
                           # reduce-adds by one thread (DQ_TMA; the table's since 2026-12-03; with dq_ordered
                           # in the query block's turn)
     turn_early: bool = False  # Hopper bwd, dq_ordered + dq_tma: the turn's acquire load issued before the dQ
-                              # staging stores, the release without fence.sc (TURN_EARLY; opt-in, written
-                              # 2026-12-03 offline, not run on a GPU yet)
+                              # staging stores, the release without fence.sc (TURN_EARLY; the ordered twin's
+                              # since 2026-12-03 run 13: 1.04-1.08x faster than without)
     dq_rotate: bool = False  # Hopper bwd, dq_ordered: each key block's walk over the query blocks rotated so a
-                             # query block's turns come one after another in time (DQ_ROTATE; opt-in, written
-                             # 2026-12-03 offline, not run on a GPU yet; launch_sm90_bwd.rotation_applies)
+                             # query block's turns come one after another in time (DQ_ROTATE; opt-in: correct,
+                             # slower than unrotated on 7 of 8 rows, run 13; launch_sm90_bwd.rotation_applies)
+    dq_writer: bool = False  # Hopper bwd, dq_tma: the staged parts added (dq_ordered: in turn) by a writer warp of
+                             # the producer warpgroup, not by a consumer thread (DQ_WRITER; opt-in, written
+                             # 2026-12-03 run 13)
     atomic_dq: bool = True  # bwd: the dK pass adds dQ with fp32 atomics (False: the deterministic backward's
                             # dK/dV kernel, whose dQ is the bwd_dq pass)
     exact_alpha: bool = False  # fwd (both families) and decode: the online softmax's rescale factor from the rounded
@@ -125,6 +128,8 @@ class Variant(NamedTuple):
                 d["TURN_EARLY"] = 1
             if self.dq_rotate:  # (likewise)
                 d["DQ_ROTATE"] = 1
+            if self.dq_writer:  # (likewise)
+                d["DQ_WRITER"] = 1
             d["SHARED_BYTES"] = self.shared_bytes()  # the kernel asserts its layout needs exactly this
         elif self.kernel == "bwd":
             d.update(DO_DV=int(self.do_dv), DO_DK=int(self.do_dk), DQ_ATOMIC=int(self.atomic_dq))
@@ -197,7 +202,7 @@ class Variant(NamedTuple):
                   + ("+splitwait" if self.split_wait else "") + ("+dqkeys" if self.dq_keys else "")
                   + ("+dqlate" if self.dq_late else "") + ("+dqptr" if self.dq_pointers else "")
                   + ("+dqtma" if self.dq_tma else "") + ("+turnearly" if self.turn_early else "")
-                  + ("+rotate" if self.dq_rotate else "")
+                  + ("+rotate" if self.dq_rotate else "") + ("+writer" if self.dq_writer else "")
                   if self.hopper_backward else "")
         stages = f" s{self.stages}" if self.kernel in ("fwd", "bwd_dq", "decode") else ""
         stages += ("+overlap" if self.overlap else "") + ("+pingpong" if self.pingpong else "")
@@ -432,8 +437,9 @@ def ordered_twin(v: Variant) -> Variant:
     """The deterministic twin of a Hopper backward variant: dQ added in a fixed order of key blocks (on the
     same schedule: with DQ_LATE a step's dQ takes its turn during the next step)."""
     # (with the table's DQ_TMA: thread 128 adds both consumers' parts in the turn, 1.07-1.11x faster than
-    # red additions in turn on the H200, 2026-12-03 run 12; NOTES.md "Ordered dQ through TMA")
-    return v._replace(dq_ordered=True)
+    # red additions in turn on the H200, 2026-12-03 run 12; its acquire load early, TURN_EARLY, 1.04-1.08x
+    # more in run 13; NOTES.md "Ordered dQ through TMA")
+    return v._replace(dq_ordered=True, turn_early=v.dq_tma)
 
 
 def decode_variants(family: Family, bf16: bool, tile: int, score_mod: bool, max_shared: int,

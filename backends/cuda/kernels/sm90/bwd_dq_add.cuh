@@ -124,6 +124,24 @@ DEVI int early_turn_load(const AttnParams& p, const Visibility& vis, const Work&
   return turn > 0 ? load_acquire(sem) : 0;
 }
 
+// DQ_TMA, one thread: both consumers' staged parts (boxes of 64 rows x 32 columns from `stage0`) added to query
+// block m0 / BM of head hq, one bulk group per consumer. Split by keys both add to the same elements: IN_ORDER
+// (the ordered dQ) completes consumer 0's before consumer 1's are issued.
+template <int HD, int BM, int PART_BYTES, int BOX_BYTES, bool IN_ORDER>
+DEVI void tma_add_parts(const TmaMap* tdq, u32 stage0, const AttnParams& p, const Work& w, int hq, int m0) {
+  using Split = DqSplit<HD, BM>;
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+#pragma unroll
+    for (int box = 0; box < 2; ++box)
+      tma_reduce_add_3d(tdq, stage0 + c * PART_BYTES + box * BOX_BYTES, Split::col0(c) + 32 * box,
+                        m0 + Split::row0(c), w.b * p.heads_q + hq);
+    tma_store_commit();
+    if constexpr (IN_ORDER && Split::HOW == Split::BY_KEYS)
+      if (c == 0) bulk_wait_all();
+  }
+}
+
 // DQ_ORDERED with DQ_TMA: both consumers' staged parts (stores fenced for the async proxy) added by thread 128 in
 // the query block's turn, four boxes of 64 rows x 32 columns (split by keys: consumer 0's completed before
 // consumer 1's are issued, as both add to the same elements). Both consumers call it together. The turn passes
@@ -140,16 +158,7 @@ DEVI void tma_dq_in_turn(const TmaMap* tdq, u32 stage0, const AttnParams& p, con
   named_sync(ORDER_BARRIER, 256);  // both parts staged; the turn acquired (one thread) before any addition
   if (threadIdx.x == 128) {
     fence_async_global();  // the acquire before the async proxy's additions
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-#pragma unroll
-      for (int box = 0; box < 2; ++box)
-        tma_reduce_add_3d(tdq, stage0 + c * PART_BYTES + box * BOX_BYTES, Split::col0(c) + 32 * box,
-                          m0 + Split::row0(c), w.b * p.heads_q + hq);
-      tma_store_commit();
-      if constexpr (Split::HOW == Split::BY_KEYS)
-        if (c == 0) bulk_wait_all();
-    }
+    tma_add_parts<HD, BM, PART_BYTES, BOX_BYTES, true>(tdq, stage0, p, w, hq, m0);
   }
 }
 // Thread 128, after tma_dq_in_turn for the same query block: the additions complete (writes included), ordered
@@ -164,6 +173,34 @@ DEVI void pass_dq_turn(const AttnParams& p, const Visibility& vis, const Work& w
     release_turn(sem);
   else
     pass_turn(sem);
+}
+
+// DQ_WRITER, one thread of the producer warpgroup: per step, the consumers' staged parts (dq_full: 8 warps
+// arrived) added through TMA; dq_empty once the additions have read them. DQ_ORDERED: the turn is awaited before
+// the parts arrive (its round trips overlap the consumers' step) and passed once the additions completed.
+template <int HD, int BM, bool ORD, int PART_BYTES, int BOX_BYTES>
+DEVI void write_dq_tma(const AttnParams& p, const Visibility& vis, const Work& w, u32 stage0, u32 dq_full,
+                       u32 dq_empty, const TmaMap* tdq, int* dq_sem) {
+  for (int j = 0; j < w.steps; ++j) {
+    const int hq = step_head(p, w, j), m0 = step_m0<BM>(w, j);
+    int turn = 0;
+    int* sem = nullptr;
+    if constexpr (ORD) {
+      sem = dq_turn<BM>(p, vis, w, dq_sem, hq, m0, &turn);
+      if (turn > 0) wait_turn(sem, turn);
+    }
+    mbar_wait(dq_full, j & 1);
+    if constexpr (ORD) fence_async_global();  // the acquire before the async proxy's additions
+    tma_add_parts<HD, BM, PART_BYTES, BOX_BYTES, ORD>(tdq, stage0, p, w, hq, m0);
+    tma_store_wait_read();
+    mbar_arrive(dq_empty);
+    if constexpr (ORD) {
+      bulk_wait_all();
+      fence_async_global();
+      release_turn(sem);
+    }
+  }
+  bulk_wait_all();  // the additions themselves, before the thread block may end
 }
 
 }  // namespace sm90_bwd

@@ -40,12 +40,19 @@
 #ifndef DQ_TMA
 #define DQ_TMA 0
 #endif
-// TURN_EARLY (with DQ_ORDERED and DQ_TMA; opt-in, written 2026-12-03 offline): thread 128 issues the turn's
+// TURN_EARLY (with DQ_ORDERED and DQ_TMA; the ordered twin's since 2026-12-03 run 13): thread 128 issues the turn's
 // acquire load before the dQ staging stores (its L2 round trip then runs under them; it spins only when that
 // load did not show the turn) and passes the turn with the release alone (it waited for its own adds; the
 // fence.sc.gpu of pass_turn is for the red path, whose reductions are other threads').
 #ifndef TURN_EARLY
 #define TURN_EARLY 0
+#endif
+// DQ_WRITER (with DQ_TMA; opt-in, written 2026-12-03): the consumers only stage their dQ parts and hand them over
+// through the dq_full / dq_empty mbarriers; one thread of the producer warpgroup's second warp adds them with
+// the TMA reduce-adds (DQ_ORDERED: it waits for the turn before the parts arrive and passes it once they
+// completed), so no turn wait, completion wait or staging barrier stands in a consumer's step.
+#ifndef DQ_WRITER
+#define DQ_WRITER 0
 #endif
 // DQ_ROTATE (with DQ_ORDERED; opt-in, written 2026-12-03 offline): for problems where every query sees every key,
 // M query blocks, N <= M key blocks all resident at once (the launcher checks all three: rotation_applies),
@@ -60,7 +67,7 @@ namespace sm90_bwd {
 
 constexpr int BN = 128;             // keys per thread block: 2 consumer warpgroups x 64
 constexpr int THREADS = 384;        // producer + 2 consumers
-constexpr int CONSUMER_WARPS = 8;   // arrivals that hand a staged dQ part to the writer warp (DQ_BULK)
+constexpr int CONSUMER_WARPS = 8;   // arrivals that hand the staged dQ parts to the writer warp (DQ_BULK, DQ_WRITER)
 // Every consumer thread arrives to free a Q/dO/lse/delta stage (not one lane per warp after a
 // __syncwarp: as valid, but compute-sanitizer's racecheck then reports the producer's next lse/delta
 // stores as racing with the other lanes' reads; H200, 2026-12-01).
@@ -122,7 +129,7 @@ struct Layout {
   static constexpr int DELTA = LSE + 2 * BM * 4;  // 2 stages x BM floats
   static constexpr int BARRIERS = DELTA + 2 * BM * 4;
   static constexpr int BYTES = BARRIERS + 8 * 7;
-  // barriers: kv_full, per stage full, empty, then dq_full, dq_empty (DQB)
+  // barriers: kv_full, per stage full, empty, then dq_full, dq_empty (DQB, DQ_WRITER)
   static DEVI u32 kv_full(u32 base) { return base + BARRIERS; }
   static DEVI u32 full(u32 base, int s) { return base + BARRIERS + 8 * (1 + s); }
   static DEVI u32 empty(u32 base, int s) { return base + BARRIERS + 8 * (3 + s); }

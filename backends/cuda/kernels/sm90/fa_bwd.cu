@@ -214,9 +214,18 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
   // the previous step's dQ part (its GEMM may still run) and its query head and block
   float dq_late[DQ_N / 2];
   int late_hq = 0, late_m0 = 0;
+  int handed = 0;  // DQ_WRITER: parts handed to the writer so far
   const auto add_late_dq = [&]() {  // (after a wait for its GEMM)
     fence_regs(dq_late);
-    if constexpr (DQ_TMA && ORD) {
+    if constexpr (DQ_WRITER) {
+      // the staging is free once the writer's additions of the previous parts have read it
+      mbar_wait(L::dq_empty(base), (handed & 1) ^ 1);
+      stage_dq_boxes<DQ_N>(dq_late, base + L::DQT + consumer * L::DQT_PART, warp_in_group, lane);
+      fence_async_shared();
+      __syncwarp();
+      if (lane == 0) mbar_arrive(L::dq_full(base));
+      ++handed;
+    } else if constexpr (DQ_TMA && ORD) {
       // the staging is free: the previous additions completed before their turn passed (pass_late_turn),
       // and a barrier of both consumers followed
       const int seen = TURN_EARLY ? early_turn_load<BM>(p, vis, w, dq_sem, late_hq, late_m0) : 0;
@@ -256,7 +265,7 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
   };
   // DQ_ORDERED with DQ_TMA: the turn of the part add_late_dq added passes once its additions completed
   const auto pass_late_turn = [&]() {
-    if constexpr (DQ_TMA && ORD)
+    if constexpr (DQ_TMA && ORD && !DQ_WRITER)
       if (threadIdx.x == 128) pass_dq_turn<BM>(p, vis, w, dq_sem, late_hq, late_m0);
   };
 #endif
@@ -505,6 +514,10 @@ DEVI void attention_backward(const AttnParams& p, const TmaMap* tq, const TmaMap
     if (threadIdx.x < 32 && w.steps > 0) produce<HD, BM, DQB>(p, w, base, lse_s, delta_s, tq, tk, tv, tdo);
     if constexpr (DQB)
       if (threadIdx.x >= 32 && threadIdx.x < 64 && w.steps > 0) write_dq<HD, BM>(p, w, base);
+    if constexpr (DQ_WRITER)
+      if (threadIdx.x == 32 && w.steps > 0)
+        write_dq_tma<HD, BM, ORD, L::DQT_PART, L::DQT_BOX>(p, vis, w, base + L::DQT, L::dq_full(base),
+                                                            L::dq_empty(base), tdq, dq_sem);
   } else {
     regs_alloc<CONSUMER_REGS>();
     consume<BF16, HD, BM, MOD, DQB, ORD>(p, w, vis, base, lse_s, delta_s, tdk, tdv, tdq, dq_sem);
@@ -536,6 +549,7 @@ extern "C" __global__ void __launch_bounds__(sm90_bwd::THREADS, 1)
   static_assert(!DQ_TMA || (DQ_LATE && !DQ_POINTERS), "DQ_TMA replaces DQ_LATE's atomic reductions");
   static_assert(!TURN_EARLY || (DQ_ORDERED && DQ_TMA), "TURN_EARLY changes the ordered TMA turns only");
   static_assert(!DQ_ROTATE || DQ_ORDERED, "DQ_ROTATE is a walk for the ordered dQ's turns");
+  static_assert(!DQ_WRITER || (DQ_TMA && !TURN_EARLY), "DQ_WRITER moves DQ_TMA's additions (and turns) to a writer");
 #if !DQ_ORDERED
   int* const dq_sem = nullptr;
 #endif
