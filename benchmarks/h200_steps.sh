@@ -111,15 +111,16 @@ for step in "$@"; do
                 ncu --import "$0/logs/bwd.ncu-rep" --page details > "$0/logs/ncu-bwd-details.txt" &&
                 ncu --import "$0/logs/bwd.ncu-rep" --page source --csv --print-source sass > "$0/logs/ncu-bwd-sass.csv" &&
                 gzip -f "$0/logs/ncu-bwd-sass.csv" && rm -f "$0/logs/bwd.ncu-rep"' "$out" ;;
-    # DQ_WRITER (2026-12-03 run 13) over the ordered twin (alone and with DQ_ROTATE) and over the table: each
-    # checked (the ordered ones: same bits over reruns), then timed beside both, then the sanitizers on small cases
-    writer-next) for c in orderedwriter orderedwriterrot dqwriter; do run_step $c-check 200 python3 -m \
+    # DQ_WRITER (2026-12-03 run 13; run there as orderedwriter, orderedwriterrot: now ordered, orderedrot) in the
+    # ordered twin (alone and with DQ_ROTATE) and over the table: each checked (the ordered ones: same bits over
+    # reruns), then timed beside the table and the twin before it, then the sanitizers on small cases
+    writer-next) for c in ordered orderedrot dqwriter; do run_step $c-check 200 python3 -m \
                 benchmarks.hopper_backward check --configs $c; done
-            cfgs=table,ordered; for c in dqwriter orderedwriter orderedwriterrot; do
+            cfgs=table,orderedearly; for c in dqwriter ordered orderedrot; do
                 [ -n "${passed[$c-check]:-}" ] && cfgs+=,$c; done
-            [ "$cfgs" != table,ordered ] && run_step writer-next-time 200 python3 -m benchmarks.hopper_backward time \
+            [ "$cfgs" != table,orderedearly ] && run_step writer-next-time 200 python3 -m benchmarks.hopper_backward time \
                 --configs $cfgs --seqlens 4096,16384
-            for c in orderedwriter dqwriter; do for tool in memcheck synccheck racecheck; do
+            for c in ordered dqwriter; do for tool in memcheck synccheck racecheck; do
                 [ -n "${passed[$c-check]:-}" ] && run_step $c-$tool 100 compute-sanitizer --tool $tool \
                 --report-api-errors no python3 -m benchmarks.hopper_backward check --configs $c --max-scores 20000
                 done; done ;;

@@ -81,16 +81,16 @@ def cases(head_dims=(128, 64)):
 # with each step's dQ waited for and added in the next step, or (`dqptr`, over the table) with those late
 # reductions from two row pointers formed once, or (`dqtma`, over the table) staged in shared memory and added
 # with TMA reduce-adds, or (`dqwriter`) the table with those adds made by a writer warp (DQ_WRITER), or the
-# deterministic twin changed: (`orderedfence`) without TURN_EARLY (the twin of 2026-12-03 run 12), (`orderedred`)
-# its turns' additions made by `red` (before run 12), (`orderedrot`) with DQ_ROTATE (where
-# launch_sm90_bwd.rotation_applies; elsewhere the launcher runs it unrotated), (`orderedwriter`) with DQ_WRITER,
-# (`orderedwriterrot`) with both
+# deterministic twin (DQ_WRITER since 2026-12-03 run 13) changed: (`orderedearly`) its turns taken by thread 128
+# with TURN_EARLY (run 13's first twin), (`orderedfence`) without TURN_EARLY (run 12's), (`orderedred`) with
+# `red` additions in turn (before run 12), (`orderedrot`) with DQ_ROTATE (where
+# launch_sm90_bwd.rotation_applies; elsewhere the launcher runs it unrotated)
 CONFIGS = ("table", "plain", "dqbulk", "ordered", "splitwait", "dqkeys", "dqlate", "dqptr", "dqtma", "dqwriter",
-           "orderedfence", "orderedred", "orderedrot", "orderedwriter", "orderedwriterrot")
+           "orderedearly", "orderedfence", "orderedred", "orderedrot")
 # bitwise-deterministic configurations (their checks rerun each case): the ordered twin with these fields changed
-ORDERED = {"ordered": {}, "orderedfence": {"turn_early": False}, "orderedred": {"dq_tma": False, "turn_early": False},
-           "orderedrot": {"dq_rotate": True}, "orderedwriter": {"turn_early": False, "dq_writer": True},
-           "orderedwriterrot": {"turn_early": False, "dq_writer": True, "dq_rotate": True}}
+ORDERED = {"ordered": {}, "orderedearly": {"dq_writer": False, "turn_early": True},
+           "orderedfence": {"dq_writer": False}, "orderedred": {"dq_writer": False, "dq_tma": False},
+           "orderedrot": {"dq_rotate": True}}
 TABLE_CHANGES = {"dqwriter": {"dq_writer": True}}  # the table itself with these fields changed
 KNOBS = {"dqbulk": "dq_bulk", "splitwait": "split_wait", "dqkeys": "dq_keys", "dqlate": "dq_late",
          "dqptr": "dq_pointers", "dqtma": "dq_tma"}

@@ -61,14 +61,14 @@ class Variant(NamedTuple):
                           # reduce-adds by one thread (DQ_TMA; the table's since 2026-12-03; with dq_ordered
                           # in the query block's turn)
     turn_early: bool = False  # Hopper bwd, dq_ordered + dq_tma: the turn's acquire load issued before the dQ
-                              # staging stores, the release without fence.sc (TURN_EARLY; the ordered twin's
-                              # since 2026-12-03 run 13: 1.04-1.08x faster than without)
+                              # staging stores, the release without fence.sc (TURN_EARLY; opt-in: 1.04-1.08x
+                              # faster than without, run 13, before DQ_WRITER replaced that path)
     dq_rotate: bool = False  # Hopper bwd, dq_ordered: each key block's walk over the query blocks rotated so a
                              # query block's turns come one after another in time (DQ_ROTATE; opt-in: correct,
                              # slower than unrotated on 7 of 8 rows, run 13; launch_sm90_bwd.rotation_applies)
     dq_writer: bool = False  # Hopper bwd, dq_tma: the staged parts added (dq_ordered: in turn) by a writer warp of
-                             # the producer warpgroup, not by a consumer thread (DQ_WRITER; opt-in, written
-                             # 2026-12-03 run 13)
+                             # the producer warpgroup, not by a consumer thread (DQ_WRITER; the ordered twin's
+                             # since 2026-12-03 run 13; over the table 0.97-1.01x its time: opt-in there)
     atomic_dq: bool = True  # bwd: the dK pass adds dQ with fp32 atomics (False: the deterministic backward's
                             # dK/dV kernel, whose dQ is the bwd_dq pass)
     exact_alpha: bool = False  # fwd (both families) and decode: the online softmax's rescale factor from the rounded
@@ -436,10 +436,10 @@ def hopper_backward_variant(family: Family, bf16: bool, tile: int, score_mod: bo
 def ordered_twin(v: Variant) -> Variant:
     """The deterministic twin of a Hopper backward variant: dQ added in a fixed order of key blocks (on the
     same schedule: with DQ_LATE a step's dQ takes its turn during the next step)."""
-    # (with the table's DQ_TMA: thread 128 adds both consumers' parts in the turn, 1.07-1.11x faster than
-    # red additions in turn on the H200, 2026-12-03 run 12; its acquire load early, TURN_EARLY, 1.04-1.08x
-    # more in run 13; NOTES.md "Ordered dQ through TMA")
-    return v._replace(dq_ordered=True, turn_early=v.dq_tma)
+    # (with the table's DQ_TMA, the parts added in turn by a writer thread of the producer warpgroup: DQ_WRITER,
+    # 0.98-1.11x the table's time on the H200, 2026-12-03 run 13, where thread 128 adding them in the turn took
+    # 1.12-1.25x; NOTES.md "Ordered dQ through TMA")
+    return v._replace(dq_ordered=True, dq_writer=v.dq_tma)
 
 
 def decode_variants(family: Family, bf16: bool, tile: int, score_mod: bool, max_shared: int,
