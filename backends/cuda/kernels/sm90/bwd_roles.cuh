@@ -40,14 +40,15 @@
 #ifndef DQ_TMA
 #define DQ_TMA 0
 #endif
-// TURN_EARLY (with DQ_ORDERED and DQ_TMA; the ordered twin's since 2026-12-03 run 13): thread 128 issues the turn's
+// TURN_EARLY (with DQ_ORDERED and DQ_TMA, without DQ_WRITER; opt-in, 1.04-1.08x faster than without on the H200,
+// 2026-12-03 run 13, before DQ_WRITER took the turns off the consumers): thread 128 issues the turn's
 // acquire load before the dQ staging stores (its L2 round trip then runs under them; it spins only when that
 // load did not show the turn) and passes the turn with the release alone (it waited for its own adds; the
 // fence.sc.gpu of pass_turn is for the red path, whose reductions are other threads').
 #ifndef TURN_EARLY
 #define TURN_EARLY 0
 #endif
-// DQ_WRITER (with DQ_TMA; opt-in, written 2026-12-03): the consumers only stage their dQ parts and hand them over
+// DQ_WRITER (with DQ_TMA; the ordered twin's since 2026-12-03 run 13, opt-in over the table): the consumers only stage their dQ parts and hand them over
 // through the dq_full / dq_empty mbarriers; one thread of the producer warpgroup's second warp adds them with
 // the TMA reduce-adds (DQ_ORDERED: it waits for the turn before the parts arrive and passes it once they
 // completed), so no turn wait, completion wait or staging barrier stands in a consumer's step.
