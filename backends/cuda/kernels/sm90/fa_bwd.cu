@@ -20,7 +20,9 @@
 //   that clip at Sk and at the head dims.
 // The table's schedule (DQ_LATE) waits for each GEMM group before the next, except dQ's: a step's dQ is
 // waited for at the next step's start and added to dq_accum (DQ_ORDERED: in its turn) while that step's
-// S^T GEMM runs. Without it (the plain schedule) dQ is waited for and added at the end of its own step;
+// S^T GEMM runs (DQ_TMA: staged in shared memory and added with TMA reduce-adds; with DQ_WRITER, the ordered
+// twin's, by a thread of the producer warpgroup, so no consumer waits for a turn). Without it (the plain
+// schedule) dQ is waited for and added at the end of its own step;
 // SPLIT_WAIT (opt-in, on the plain schedule) runs the exponentials beside dP^T's GEMM. The
 // elementwise step is sm90/bwd_probs.cuh; the roles, dQ split, shared-memory layout, work split and the
 // knobs' defaults are sm90/bwd_roles.cuh.
