@@ -2,8 +2,8 @@
 # One device call running named steps in order under one deadline (a call may last 10 minutes).
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda conformance-torch conformance-triton paper hopper-check hopper-time det-check det-time sanitize
-#        decode-bw dqbulk ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-sweep-paged decode-sanitize decode-sanitize-quick serving-flex decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability splitwait dqkeys dqlate ncu-bwd-sass replay recheck nan-fixup decode-fused dqptr dqtma conformance-sm80 writer-next
+#        decode-bw ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-sweep-paged decode-sanitize decode-sanitize-quick serving-flex decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability dqlate ncu-bwd-sass replay recheck nan-fixup decode-fused dqwriter conformance-sm80 writer-next
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -89,21 +89,11 @@ for step in "$@"; do
     paper-short) run_step paper-short 200 python3 -m benchmarks.paper --backend torch,cuda,triton --head-dims 64,128 \
                --sdpa cudnn --no-flex --seqlens 1024,4096,16384 --max-seconds 170 --out "$out/paper" ;;
     decode-bw) run_step decode-bw 90 python3 -m attnx.backends.triton.bench_decode --batch 8 --seqlen 32768 ;;
-    # the Hopper backward's opt-in dQ path (shared memory + a writer warp's bulk reductions): check, then time
-    dqbulk) run_step dqbulk-check 120 python3 -m benchmarks.hopper_backward check --configs dqbulk
-            [ -n "${passed[dqbulk-check]:-}" ] && run_step dqbulk-time 150 python3 -m benchmarks.hopper_backward time \
-                --configs table,dqbulk --seqlens 4096,16384 ;;
-    # the Hopper backward's knobs (benchmarks/hopper_backward.py configs), each: 148 cases, then beside the table,
-    # then the sanitizers named on the small cases. SPLIT_WAIT (P^T while dP^T's GEMM runs); DQ_KEYS (dQ split by
-    # keys at d128, no per-step barrier: racecheck and synccheck for the consumers' new barrier); DQ_LATE (a
-    # step's dQ added in the next step: the table without DQ_TMA since 2026-12-03); DQ_POINTERS over DQ_LATE (its
-    # reductions from two row pointers); DQ_TMA (the late dQ parts added by TMA reduce-adds: the table's since
-    # 2026-12-03, so `dqtma` now times the table against itself)
-    splitwait) backward_knob splitwait 200 ;;
-    dqkeys) backward_knob dqkeys 220 racecheck synccheck ;;
+    # the Hopper backward's configurations (benchmarks/hopper_backward.py), each: 148 cases, then beside the
+    # table, then the sanitizers named on the small cases. `dqlate`: the table without DQ_TMA (a step's dQ added
+    # by `red` in the next step); `dqwriter`: the table's DQ_TMA adds made by a writer thread (opt-in)
     dqlate) backward_knob dqlate 220 memcheck synccheck racecheck ;;
-    dqptr) backward_knob dqptr 200 memcheck synccheck ;;
-    dqtma) backward_knob dqtma 200 memcheck synccheck ;;
+    dqwriter) backward_knob dqwriter 200 memcheck synccheck ;;
     # the dispatched Hopper backward (DQ_LATE + DQ_TMA) at d128 16k: the full profile's details and SASS source counters (csv)
     ncu-bwd-sass) run_step ncu-bwd-sass 230 bash -c 'ncu --clock-control none --set full --import-source yes \
                 -k attnx_bwd_wgmma -s 3 -c 1 -o "$0/logs/bwd" python3 -m benchmarks.hopper_backward time \
@@ -113,12 +103,12 @@ for step in "$@"; do
                 gzip -f "$0/logs/ncu-bwd-sass.csv" && rm -f "$0/logs/bwd.ncu-rep"' "$out" ;;
     # DQ_WRITER (2026-12-03 run 13; run there as orderedwriter, orderedwriterrot: now ordered, orderedrot) in the
     # ordered twin (alone and with DQ_ROTATE) and over the table: each checked (the ordered ones: same bits over
-    # reruns), then timed beside the table and the twin before it, then the sanitizers on small cases
+    # reruns), then timed beside the table and the twin with consumer-thread turns, then the sanitizers
     writer-next) for c in ordered orderedrot dqwriter; do run_step $c-check 200 python3 -m \
                 benchmarks.hopper_backward check --configs $c; done
-            cfgs=table,orderedearly; for c in dqwriter ordered orderedrot; do
+            cfgs=table,orderedfence; for c in dqwriter ordered orderedrot; do
                 [ -n "${passed[$c-check]:-}" ] && cfgs+=,$c; done
-            [ "$cfgs" != table,orderedearly ] && run_step writer-next-time 200 python3 -m benchmarks.hopper_backward time \
+            [ "$cfgs" != table,orderedfence ] && run_step writer-next-time 200 python3 -m benchmarks.hopper_backward time \
                 --configs $cfgs --seqlens 4096,16384
             for c in ordered dqwriter; do for tool in memcheck synccheck racecheck; do
                 [ -n "${passed[$c-check]:-}" ] && run_step $c-$tool 100 compute-sanitizer --tool $tool \

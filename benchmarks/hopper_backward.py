@@ -4,20 +4,11 @@
     python -m benchmarks.hopper_backward time    # paper setting (bf16, 16k tokens) beside the Ampere
                                                  # backward on sm_90, SDPA cuDNN and SDPA flash
 
-One device call runs both: ``check && time``; ``--configs table,dqbulk`` adds the variant whose dQ
-goes through shared memory and a writer warp's bulk reductions (check it before timing it);
-``--configs ordered`` the variant whose dQ additions into each query block follow a fixed order of key
-blocks (`dq_ordered`, turn counters: bitwise-deterministic dq): its `check` also runs every case
-`RERUNS` more times on the same inputs and asserts the same bits of dq, dk, dv (and dsinks) each time;
-``--configs splitwait`` the variant that waits for S^T and dP^T one at a time (`split_wait`, P^T computed
-while dP^T's GEMM runs; written offline 2026-12-02; on the H200 correct and not faster, NOTES.md "SPLIT_WAIT");
-``--configs dqkeys`` the variant whose consumers split dQ by keys at d128 too (64 columns a pass) and stop
-meeting at a barrier every step (`dq_keys`, DQ_KEYS; on the H200 correct and 25-32 % slower at d128, NOTES.md);
-``--configs dqlate`` the variant that waits for a step's dQ GEMM and adds its result in the next step, under
-that step's S^T GEMM (`dq_late`, DQ_LATE; 0.99-1.08x the plain schedule on the H200); ``--configs plain``
-the schedule before it (the other knobs apply to that one); ``--configs dqptr`` and ``dqtma`` change DQ_LATE's
-reductions (two row pointers: not faster; TMA reduce-adds from shared memory: 1.07-1.20x, the table's since
-2026-12-03 with DQ_LATE, so ``dqlate`` is the table without it).
+One device call runs both: ``check && time``; ``--configs table,CONFIG,...`` adds other configurations
+(check each before timing it; `CONFIGS` below lists them): ``ordered`` is the variant whose dQ additions into
+each query block follow a fixed order of key blocks (`dq_ordered`, turn counters: bitwise-deterministic dq,
+what deterministic problems run): its `check`, and that of every `ORDERED` configuration, also runs every case
+`RERUNS` more times on the same inputs and asserts the same bits of dq, dk, dv (and dsinks) each time.
 `check` prints one numbered line per case (the worst error of each gradient beside its bound),
 continues past failures, stops only when the CUDA context is lost, ends with a summary of the
 failures and exits 1 on any. The bound is the one of tests/test_cuda_gpu.py: twice the error
@@ -74,49 +65,33 @@ def cases(head_dims=(128, 64)):
                      lambda sq, sk: [("lengths", {}), ("lengths causal", {"causal": True})])
 
 
-# configurations: the shipped tile table (DQ_LATE + DQ_TMA since 2026-12-03), the plain schedule without them, or
-# that with dQ added by the writer warp's bulk reductions, or
-# with dQ added in a fixed order of key blocks (bitwise-deterministic), or with S^T and dP^T waited for one
-# at a time (P^T computed while dP^T's GEMM runs), or with dQ split by keys and no per-step barrier, or
-# with each step's dQ waited for and added in the next step, or (`dqptr`, over the table) with those late
-# reductions from two row pointers formed once, or (`dqtma`, over the table) staged in shared memory and added
-# with TMA reduce-adds, or (`dqwriter`) the table with those adds made by a writer warp (DQ_WRITER), or the
-# deterministic twin (DQ_WRITER since 2026-12-03 run 13) changed: (`orderedearly`) its turns taken by thread 128
-# with TURN_EARLY (run 13's first twin), (`orderedfence`) without TURN_EARLY (run 12's), (`orderedred`) with
-# `red` additions in turn (before run 12), (`orderedrot`) with DQ_ROTATE (where
+# The table's tile with these fields changed: (`plain`) the schedule before DQ_LATE (each step's dQ added at its
+# end), (`dqlate`) DQ_LATE without DQ_TMA (the late dQ by `red` from every thread), (`dqwriter`) DQ_TMA's adds
+# made by a writer thread of the producer warpgroup (opt-in over the table: 0.97-1.01x its time, run 13)
+TABLE_CHANGES = {"table": {}, "plain": {"dq_late": False, "dq_tma": False}, "dqlate": {"dq_tma": False},
+                 "dqwriter": {"dq_writer": True}}
+# Bitwise-deterministic configurations (their checks rerun each case): the ordered twin (DQ_WRITER since
+# 2026-12-03 run 13) with these fields changed: (`orderedfence`) its turns taken by consumer thread 128 (run 12's
+# twin), (`orderedred`) with `red` additions in turn (before run 12), (`orderedrot`) with DQ_ROTATE (where
 # launch_sm90_bwd.rotation_applies; elsewhere the launcher runs it unrotated)
-CONFIGS = ("table", "plain", "dqbulk", "ordered", "splitwait", "dqkeys", "dqlate", "dqptr", "dqtma", "dqwriter",
-           "orderedearly", "orderedfence", "orderedred", "orderedrot")
-# bitwise-deterministic configurations (their checks rerun each case): the ordered twin with these fields changed
-ORDERED = {"ordered": {}, "orderedearly": {"dq_writer": False, "turn_early": True},
-           "orderedfence": {"dq_writer": False}, "orderedred": {"dq_writer": False, "dq_tma": False},
+ORDERED = {"ordered": {}, "orderedfence": {"dq_writer": False}, "orderedred": {"dq_writer": False, "dq_tma": False},
            "orderedrot": {"dq_rotate": True}}
-TABLE_CHANGES = {"dqwriter": {"dq_writer": True}}  # the table itself with these fields changed
-KNOBS = {"dqbulk": "dq_bulk", "splitwait": "split_wait", "dqkeys": "dq_keys", "dqlate": "dq_late",
-         "dqptr": "dq_pointers", "dqtma": "dq_tma"}
-OVER_TABLE = {"dqptr", "dqtma"}  # knobs written for the table's schedule (DQ_LATE), applied over it (DQ_TMA off)
+CONFIGS = (*TABLE_CHANGES, *ORDERED)
 RERUNS = 2  # ORDERED: runs after the first, each compared bit for bit with it
 
 
 def _variant(p, config):
-    """The table's variant for `p`, its deterministic twin ("ordered", what deterministic problems run, or an
-    `ORDERED` change of it), a `TABLE_CHANGES` change of the table, or the table's tile with `config`'s knob on over the plain schedule (DQ_LATE and
-    DQ_TMA off: each knob is written for that one; "plain" is that schedule alone), or, for `OVER_TABLE` knobs,
-    over DQ_LATE."""
+    """The table's variant for `p` changed by `TABLE_CHANGES[config]`, or its deterministic twin ("ordered",
+    what deterministic problems run) changed by `ORDERED[config]`; None where the table has no tile."""
     from attnx.backends.cuda.launch_sm90_bwd import backward_variant_for
     from attnx.backends.cuda.variants import ordered_twin
 
     v = backward_variant_for(p)
-    if v is None or config == "table":
-        return v
+    if v is None:
+        return None
     if config in ORDERED:
         return ordered_twin(v)._replace(**ORDERED[config])
-    if config in TABLE_CHANGES:
-        return v._replace(**TABLE_CHANGES[config])
-    if config in OVER_TABLE:  # (each replaces the table's late reductions: the others' off)
-        return v._replace(dq_tma=False, **{KNOBS[config]: True}) if v.dq_late and not v.dq_ordered else v
-    plain = v._replace(dq_late=False, dq_tma=False)
-    return plain if config == "plain" else plain._replace(**{KNOBS[config]: True})
+    return v._replace(**TABLE_CHANGES[config])
 
 
 def _same_bits_over_reruns(grads_of, reruns=RERUNS):

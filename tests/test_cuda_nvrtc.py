@@ -136,29 +136,12 @@ def test_hopper_backward_tiles_fit_and_are_compiled():
     assert not any(v.hopper_backward for v in variants.all_variants(families.AMPERE))
 
 
-def test_hopper_backward_dq_bulk_knob_compiles():
-    """The opt-in dQ path (shared memory + a writer warp's bulk reductions) that benchmarks/hopper_backward.py
-    times beside the table's: it builds for sm_90a and fits."""
-    reason = _nvrtc_available()
-    if reason:
-        pytest.skip(reason)
-    shared = variants.max_shared((9, 0))
-    todo = [v._replace(dq_late=False, dq_tma=False, dq_bulk=True) for v in variants.requestable(families.HOPPER, (9, 0))
-            if v.hopper_backward and v.bf16 and not v.score_mod and not v.dq_ordered]
-    assert todo
-    for v in todo:
-        assert v.shared_bytes() <= shared and "-DDQ_BULK=1" in v.defines()
-        ok, log, size = nvrtc_check.nvrtc_compile(v, "sm_90a")
-        assert ok and size > 0, log[:2000]
-
-
-# The Hopper backward's opt-in schedules that benchmarks/hopper_backward.py checks and times beside the table
-# (NOTES.md has each one's H200 result): (Variant field, define, label flag). Each is written on the plain
-# schedule (the table's DQ_LATE off).
+# The Hopper backward's knobs on the plain schedule (the table's DQ_LATE off) that benchmarks/hopper_backward.py
+# checks and times beside the table (NOTES.md has each one's H200 result): (Variant field, define, label flag).
+# SPLIT_WAIT, DQ_KEYS (and, over DQ_LATE, DQ_POINTERS; DQ_BULK; TURN_EARLY) were measured and removed on
+# 2026-12-03 (NOTES.md, "Removed knobs").
 HOPPER_BACKWARD_OPT_INS = [
-    ("split_wait", "SPLIT_WAIT", "+splitwait"),  # S^T and dP^T waited for one at a time
-    ("dq_keys", "DQ_KEYS", "+dqkeys"),           # dQ split by keys at d128, in 64-column passes
-    ("dq_late", "DQ_LATE", "+dqlate"),           # (the table's own) a step's dQ added in the next step
+    ("dq_late", "DQ_LATE", "+dqlate"),  # (the table's own) a step's dQ added in the next step
 ]
 # ptxas's wgmma serialisation notes: C7510/C7519/C7520 (why it serialised), C7512 (accumulators spread over
 # too many registers), C7514 (accumulators read inside a pipeline stage: DQ_LATE's first try), C7517 (a wait
@@ -188,11 +171,12 @@ def test_hopper_backward_opt_in_knob_compiles_without_spills(field, define, flag
         assert " 0 bytes spill stores" in log and not any(c in log for c in WGMMA_SERIALISED), log
 
 
-@pytest.mark.parametrize("field,define,flag", [("dq_pointers", "DQ_POINTERS", "+dqptr"), ("dq_tma", "DQ_TMA", "+dqtma")])
-def test_hopper_backward_opt_ins_over_the_table_compile_without_spills(field, define, flag):
-    """DQ_POINTERS and DQ_TMA (opt-in, over the table's DQ_LATE schedule; not for the ordered twins): every
-    table tile with and without score mod builds for sm_90a with no local memory and no wgmma serialisation
-    (the kernel's static_assert holds its shared-memory layout to variants.py's count)."""
+@pytest.mark.parametrize("define,flag,changes", [("DQ_TMA", "+dqtma", {}), ("DQ_WRITER", "+writer", {"dq_writer": True})],
+                         ids=["table", "dq_writer"])
+def test_hopper_backward_opt_ins_over_the_table_compile_without_spills(define, flag, changes):
+    """The table (DQ_LATE + DQ_TMA) and the opt-in DQ_WRITER over it: every table tile with and without score
+    mod builds for sm_90a with no local memory and no wgmma serialisation (the kernel's static_assert holds its
+    shared-memory layout to variants.py's count)."""
     reason = _nvrtc_available()
     if reason:
         pytest.skip(reason)
@@ -201,7 +185,7 @@ def test_hopper_backward_opt_ins_over_the_table_compile_without_spills(field, de
     assert table and all(v.dq_late and v.dq_tma for v in table)  # DQ_TMA: the table's since 2026-12-03
     from attnx.backends.cuda.compile import kernel_source
 
-    for v in (t._replace(**{"dq_tma": False, field: True}) for t in table):
+    for v in (t._replace(**changes) for t in table):
         assert f"-D{define}=1" in v.defines() and flag in v.label()
         assert v.shared_bytes() <= variants.max_shared((9, 0))
         ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
@@ -216,9 +200,8 @@ def test_hopper_backward_dq_ordered_variants_compile():
     table's schedule with its additions made by TMA reduce-adds in turn (DQ_TMA) by a writer thread of the
     producer warpgroup (DQ_WRITER); it builds for sm_90a with no local memory and no wgmma serialisation (the
     split by keys, whose two consumers' parts go to the same dQ elements, only in the score-mod tile); so do
-    the opt-in twins: thread 128 taking the turns (with and without TURN_EARLY), the red path in turn (DQ_TMA
-    off), DQ_ROTATE; DQ_BULK is refused, and so are TURN_EARLY and DQ_ROTATE without the ordered dQ and
-    DQ_WRITER beside TURN_EARLY."""
+    the opt-in twins: thread 128 taking the turns, the red path in turn (DQ_TMA off), DQ_ROTATE; DQ_ROTATE
+    without the ordered dQ is refused, and so is DQ_WRITER without DQ_TMA."""
     reason = _nvrtc_available()
     if reason:
         pytest.skip(reason)
@@ -232,28 +215,22 @@ def test_hopper_backward_dq_ordered_variants_compile():
     assert {v.block_m for v in twins if v.score_mod and v.head_dim == 64} == {64}  # the split by keys
     assert all(v.dq_late and v.dq_tma and v.dq_writer for v in twins)
     assert all("-DDQ_WRITER=1" in v.defines() and "+writer" in v.label() for v in twins)
-    early = [v._replace(dq_writer=False, turn_early=True) for v in twins]
     fenced = [v._replace(dq_writer=False) for v in twins]
     rotated = [v._replace(dq_rotate=True) for v in twins if v.head_dim == 128]  # (d64 BM 128: 8 bytes spilled)
-    assert all("-DTURN_EARLY=1" in v.defines() and "+turnearly" in v.label() for v in early)
     assert all("-DDQ_ROTATE=1" in v.defines() and "+rotate" in v.label() for v in rotated)
-    assert not any("DQ_ROTATE" in d or "TURN_EARLY" in d for v in found for d in v.defines())  # opt-in
+    assert not any("DQ_ROTATE" in d for v in found for d in v.defines())  # opt-in
     assert not any(v.dq_writer for v in table)  # (opt-in over the table)
-    for v in twins + [fenced[0]._replace(dq_tma=False)] + early + fenced + rotated:
+    for v in twins + [fenced[0]._replace(dq_tma=False)] + fenced + rotated:
         assert "-DDQ_ORDERED=1" in v.defines() and "+ordered" in v.label()
         assert v.shared_bytes() <= variants.max_shared((9, 0))
         ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
                                                    (*cuda_compile.nvrtc_options(v, "sm_90a"), "-Xptxas=-v"))
         assert ok and size > 0, log[:2000]
         assert " 0 bytes spill stores" in log and not any(c in log for c in WGMMA_SERIALISED), log
-    ok, log, _ = nvrtc_check.nvrtc_compile(twins[0]._replace(dq_tma=False, dq_late=False, dq_bulk=True), "sm_90a")
-    assert not ok and "ordered dQ" in log
-    for knob, name in (("turn_early", "TURN_EARLY"), ("dq_rotate", "DQ_ROTATE")):
-        ok, log, _ = nvrtc_check.nvrtc_compile(twins[0]._replace(dq_ordered=False, **{knob: True}), "sm_90a")
-        assert not ok and name in log
-    ok, log, _ = nvrtc_check.nvrtc_compile(twins[0]._replace(turn_early=True), "sm_90a")  # (DQ_WRITER on)
+    ok, log, _ = nvrtc_check.nvrtc_compile(twins[0]._replace(dq_ordered=False, dq_rotate=True), "sm_90a")
+    assert not ok and "DQ_ROTATE" in log
+    ok, log, _ = nvrtc_check.nvrtc_compile(twins[0]._replace(dq_tma=False), "sm_90a")  # (DQ_WRITER on)
     assert not ok and "DQ_WRITER" in log
-
 
 
 @pytest.mark.parametrize("head_dim,head_dim_v,deterministic,hopper", [

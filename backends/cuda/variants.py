@@ -46,23 +46,13 @@ class Variant(NamedTuple):
     stages: int = 1    # fwd, bwd_dq: K/V buffers in shared memory
     overlap: bool = False   # Hopper fwd: Q K^T of block j issued before P V of block j-1 completes
     pingpong: bool = False  # Hopper fwd: the two consumer warpgroups take turns at the tensor cores
-    dq_bulk: bool = False   # Hopper bwd: dQ parts added by a writer warp's bulk reductions, not red.global
     dq_ordered: bool = False  # Hopper bwd: dQ added per query block in a fixed order of key blocks (turn
                               # counters): bitwise-deterministic dq (dispatched for deterministic problems)
-    split_wait: bool = False  # Hopper bwd, no score mod: S^T and dP^T waited for one at a time, P^T computed
-                              # while dP^T's GEMM runs (opt-in, not dispatched: correct, not faster, NOTES.md)
-    dq_keys: bool = False  # Hopper bwd, BM = 64: dQ split by keys at d128 too, no per-step barrier between the
-                           # consumers (DQ_KEYS; opt-in, not dispatched: correct, 25-32 % slower at d128, NOTES.md)
     dq_late: bool = False  # Hopper bwd: a step's dQ GEMM waited for and added in the next step, under its
                            # S^T GEMM (DQ_LATE; the table's schedule since 2026-12-03, its ordered twins' too)
-    dq_pointers: bool = False  # Hopper bwd, DQ_LATE (not ordered): the late dQ reductions from two row pointers
-                               # formed once (DQ_POINTERS; opt-in, written 2026-12-03)
     dq_tma: bool = False  # Hopper bwd, DQ_LATE: the late dQ part staged in shared memory and added with TMA
                           # reduce-adds by one thread (DQ_TMA; the table's since 2026-12-03; with dq_ordered
                           # in the query block's turn)
-    turn_early: bool = False  # Hopper bwd, dq_ordered + dq_tma: the turn's acquire load issued before the dQ
-                              # staging stores, the release without fence.sc (TURN_EARLY; opt-in: 1.04-1.08x
-                              # faster than without, run 13, before DQ_WRITER replaced that path)
     dq_rotate: bool = False  # Hopper bwd, dq_ordered: each key block's walk over the query blocks rotated so a
                              # query block's turns come one after another in time (DQ_ROTATE; opt-in: correct,
                              # slower than unrotated on 7 of 8 rows, run 13; launch_sm90_bwd.rotation_applies)
@@ -113,19 +103,11 @@ class Variant(NamedTuple):
              "BLOCK_N": self.block_n, "NUM_WARPS": self.warps, "SCORE_MOD": int(self.score_mod)}
         if self.hopper_backward:
             del d["NUM_WARPS"]  # fixed by the kernel's warpgroup roles
-            d["DQ_BULK"] = int(self.dq_bulk)
             d["DQ_ORDERED"] = int(self.dq_ordered)
-            d["SPLIT_WAIT"] = int(self.split_wait)
-            if self.dq_keys:  # (only its builds define it: the table's defines stay as they were)
-                d["DQ_KEYS"] = 1
-            if self.dq_late:  # (likewise)
+            if self.dq_late:  # (only the builds with a knob on define it)
                 d["DQ_LATE"] = 1
-            if self.dq_pointers:  # (likewise)
-                d["DQ_POINTERS"] = 1
             if self.dq_tma:  # (likewise)
                 d["DQ_TMA"] = 1
-            if self.turn_early:  # (likewise)
-                d["TURN_EARLY"] = 1
             if self.dq_rotate:  # (likewise)
                 d["DQ_ROTATE"] = 1
             if self.dq_writer:  # (likewise)
@@ -160,12 +142,10 @@ class Variant(NamedTuple):
 
     def shared_bytes(self) -> int:
         if self.hopper_backward:
-            # K, V; 2 stages of Q, dO; 2 dS^T buffers; (2 dQ parts of 64 padded rows); 2 stages of lse,
-            # delta; 7 mbarriers; 1 KB to align
+            # K, V; 2 stages of Q, dO; 2 dS^T buffers; (DQ_TMA: 2 dQ parts); 2 stages of lse, delta;
+            # 7 mbarriers; 1 KB to align
             panels, bm, bn = self.head_dim // 64, self.block_m, self.block_n
-            dq_columns = self.head_dim // 2 if (bm == 64 and self.head_dim >= 128) else self.head_dim
-            dq_parts = 2 * 64 * (4 * dq_columns + 32) if self.dq_bulk else 0
-            dq_parts += 2 * 64 * 64 * 4 if self.dq_tma else 0  # two 64 x 64 fp32 parts, swizzled, for TMA
+            dq_parts = 2 * 64 * 64 * 4 if self.dq_tma else 0  # two 64 x 64 fp32 parts, swizzled, for TMA
             return (2 * panels * bn * 128 + 4 * panels * bm * 128 + 2 * (bm // 64) * bn * 128 + dq_parts + 16 * bm
                     + 8 * 7 + 1024)
         if self.hopper_forward:
@@ -198,11 +178,9 @@ class Variant(NamedTuple):
         if self.kernel == "bwd" and not (self.do_dv and self.do_dk):
             flags += "+dv" if self.do_dv else "+dk"
         flags += "" if self.atomic_dq else " no-dq"
-        flags += (" wgmma" + ("+dqbulk" if self.dq_bulk else "") + ("+ordered" if self.dq_ordered else "")
-                  + ("+splitwait" if self.split_wait else "") + ("+dqkeys" if self.dq_keys else "")
-                  + ("+dqlate" if self.dq_late else "") + ("+dqptr" if self.dq_pointers else "")
-                  + ("+dqtma" if self.dq_tma else "") + ("+turnearly" if self.turn_early else "")
-                  + ("+rotate" if self.dq_rotate else "") + ("+writer" if self.dq_writer else "")
+        flags += (" wgmma" + ("+ordered" if self.dq_ordered else "") + ("+dqlate" if self.dq_late else "")
+                  + ("+dqtma" if self.dq_tma else "") + ("+rotate" if self.dq_rotate else "")
+                  + ("+writer" if self.dq_writer else "")
                   if self.hopper_backward else "")
         stages = f" s{self.stages}" if self.kernel in ("fwd", "bwd_dq", "decode") else ""
         stages += ("+overlap" if self.overlap else "") + ("+pingpong" if self.pingpong else "")

@@ -1,6 +1,6 @@
 // How the Hopper backward's consumers add a dQ part to dq_accum (sm90/fa_bwd.cu): `red.global.add` per
-// element pair (the plain and DQ_LATE schedules), from two row pointers (DQ_POINTERS), in a fixed order of
-// key blocks (DQ_ORDERED), or staged in shared memory for TMA reduce-adds (DQ_TMA; with DQ_ORDERED in turn).
+// element pair (the plain and DQ_LATE schedules), in a fixed order of key blocks (DQ_ORDERED), or staged in
+// shared memory for TMA reduce-adds (DQ_TMA; with DQ_ORDERED in turn, by thread 128 or, DQ_WRITER, by a writer).
 #pragma once
 #include "sm90/bwd_roles.cuh"
 #include "sm90/dq_order.cuh"
@@ -20,43 +20,6 @@ DEVI void red_dq(const float (&dq)[DQ_N / 2], float* dq_head, int dq_row, int ro
       if (row < seqlen_q)
         red_add_v2(dq_head + (long long)row * dq_row + col, dq[4 * c + 2 * half], dq[4 * c + 2 * half + 1]);
     }
-}
-
-// 8 vector reductions into one row at byte offsets 0, 32, ..., 224 from `row`, all or none (`in`): one asm
-// statement, so the pointer is formed once and nothing rewrites it under a pending `red` (ptxas, given
-// one `red` per statement, re-formed the address before each and branched around each).
-DEVI void red_row8_v2(float* row, bool in, const float (&v)[16]) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %1, 0;\n"
-      " @p red.global.add.v2.f32 [%0], {%2, %3};\n"
-      " @p red.global.add.v2.f32 [%0+32], {%4, %5};\n"
-      " @p red.global.add.v2.f32 [%0+64], {%6, %7};\n"
-      " @p red.global.add.v2.f32 [%0+96], {%8, %9};\n"
-      " @p red.global.add.v2.f32 [%0+128], {%10, %11};\n"
-      " @p red.global.add.v2.f32 [%0+160], {%12, %13};\n"
-      " @p red.global.add.v2.f32 [%0+192], {%14, %15};\n"
-      " @p red.global.add.v2.f32 [%0+224], {%16, %17};\n}\n"
-      ::"l"(row), "r"((int)in), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]), "f"(v[4]), "f"(v[5]), "f"(v[6]),
-      "f"(v[7]), "f"(v[8]), "f"(v[9]), "f"(v[10]), "f"(v[11]), "f"(v[12]), "f"(v[13]), "f"(v[14]), "f"(v[15])
-      : "memory");
-}
-
-// red_dq from the thread's two rows (row0, row0 + 8), each one pointer and one predicate (DQ_POINTERS, on
-// DQ_LATE's path between S^T's issue and dP^T's).
-template <int DQ_N>
-DEVI void red_dq_rows(const float (&dq)[DQ_N / 2], float* dq_head, int dq_row, int row0, int col0, int seqlen_q) {
-  static_assert(DQ_N == 64, "8 column pairs per row");
-  float top[16], bottom[16];
-#pragma unroll
-  for (int c = 0; c < 8; ++c) {
-    top[2 * c] = dq[4 * c];
-    top[2 * c + 1] = dq[4 * c + 1];
-    bottom[2 * c] = dq[4 * c + 2];
-    bottom[2 * c + 1] = dq[4 * c + 3];
-  }
-  float* const row = dq_head + (long long)row0 * dq_row + col0;
-  red_row8_v2(row, row0 < seqlen_q, top);
-  red_row8_v2(row + 8LL * dq_row, row0 + 8 < seqlen_q, bottom);
 }
 
 // DQ_TMA: this consumer's 64 x 64 dQ part (accumulator layout) into its two staging boxes of 64 rows x 32 fp32
@@ -114,16 +77,6 @@ DEVI void red_dq_in_turn(const float (&dq)[DqSplit<HD, BM>::N / 2], const AttnPa
   if (threadIdx.x == 128) pass_turn(sem);
 }
 
-// TURN_EARLY: thread 128's acquire load of the query block's turn counter, issued before the staging stores so its
-// round trip runs under them (0 when this key block goes first; -1 on the other threads, which do not read it).
-template <int BM>
-DEVI int early_turn_load(const AttnParams& p, const Visibility& vis, const Work& w, int* dq_sem, int hq, int m0) {
-  if (threadIdx.x != 128) return -1;
-  int turn;
-  int* sem = dq_turn<BM>(p, vis, w, dq_sem, hq, m0, &turn);
-  return turn > 0 ? load_acquire(sem) : 0;
-}
-
 // DQ_TMA, one thread: both consumers' staged parts (boxes of 64 rows x 32 columns from `stage0`) added to query
 // block m0 / BM of head hq, one bulk group per consumer. Split by keys both add to the same elements: IN_ORDER
 // (the ordered dQ) completes consumer 0's before consumer 1's are issued.
@@ -149,12 +102,11 @@ DEVI void tma_add_parts(const TmaMap* tdq, u32 stage0, const AttnParams& p, cons
 // for completion overlaps a GEMM instead of holding the warpgroup.
 template <int HD, int BM, int PART_BYTES, int BOX_BYTES>
 DEVI void tma_dq_in_turn(const TmaMap* tdq, u32 stage0, const AttnParams& p, const Visibility& vis, const Work& w,
-                         int* dq_sem, int hq, int m0, int seen) {
+                         int* dq_sem, int hq, int m0) {
   using Split = DqSplit<HD, BM>;
   int turn;
   int* sem = dq_turn<BM>(p, vis, w, dq_sem, hq, m0, &turn);
-  // (TURN_EARLY: `seen` is early_turn_load's value; when it showed the turn, that load was the acquire)
-  if (threadIdx.x == 128 && turn > 0 && !(TURN_EARLY && seen == turn)) wait_turn(sem, turn);
+  if (threadIdx.x == 128 && turn > 0) wait_turn(sem, turn);
   named_sync(ORDER_BARRIER, 256);  // both parts staged; the turn acquired (one thread) before any addition
   if (threadIdx.x == 128) {
     fence_async_global();  // the acquire before the async proxy's additions
@@ -169,10 +121,7 @@ DEVI void pass_dq_turn(const AttnParams& p, const Visibility& vis, const Work& w
   int* sem = dq_turn<BM>(p, vis, w, dq_sem, hq, m0, &turn);
   bulk_wait_all();
   fence_async_global();
-  if constexpr (TURN_EARLY)
-    release_turn(sem);
-  else
-    pass_turn(sem);
+  pass_turn(sem);
 }
 
 // DQ_WRITER, one thread of the producer warpgroup: per step, the consumers' staged parts (dq_full: 8 warps

@@ -1,7 +1,7 @@
 // The Hopper backward's elementwise step (kernels/sm90/fa_bwd.cu): P^T = exp2(S^T * scale - lse) and
 // dS^T = P^T (dP^T - delta) [x softcap'] from the S^T and dP^T accumulators, packed as the 16-bit A
-// operands of the dV, dK and dQ GEMMs; fused (`grads_any`), or in two halves around the dP^T wait
-// (`probs_any` / `probs_modded_any`, then `grads_from_probs`).
+// operands of the dV, dK and dQ GEMMs; fused (`grads_any`), or with a score mod in two halves around the
+// dP^T GEMM (`probs_modded_any`, then `grads_from_probs`).
 #pragma once
 #include "common/mask.cuh"
 #include "common/score_mod.cuh"
@@ -77,36 +77,6 @@ DEVI void probs_modded(float (&st)[BM / 2], u32 (&dcap)[BM / 4], const float* ls
   }
 }
 
-// SPLIT_WAIT's first half of the fast path: S^T -> P^T in place (fp32), the scale folded into exp2's
-// argument, while dP^T's GEMM is still in flight (same element order as `probs_modded`).
-template <bool MASK, int BM>
-DEVI void probs_block(float (&st)[BM / 2], const float* lse, const Visibility& vis, float unit, int key0, int m0,
-                      int t4) {
-#pragma unroll
-  for (int i = 0; i < BM / 2; i += 2) {
-    const int key = key0 + 8 * ((i >> 1) & 1);
-    const int col = 8 * (i >> 2) + 2 * t4;
-    const float2 l = *reinterpret_cast<const float2*>(lse + col);
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int query = m0 + col + e;
-      float pe = exp2_approx(fmaf(st[i + e], unit, -(e ? l.y : l.x)));
-      if constexpr (MASK)
-        if (query >= vis.seqlen_q || !key_visible(vis, query, key)) pe = 0.f;
-      st[i + e] = pe;
-    }
-  }
-}
-
-template <int BM>
-DEVI void probs_any(bool masked, float (&st)[BM / 2], const float* lse, const Visibility& vis, float unit, int key0,
-                    int m0, int t4) {
-  if (masked)
-    probs_block<true, BM>(st, lse, vis, unit, key0, m0, t4);
-  else
-    probs_block<false, BM>(st, lse, vis, unit, key0, m0, t4);
-}
-
 template <int BM>
 DEVI void probs_modded_any(bool masked, float (&st)[BM / 2], u32 (&dcap)[BM / 4], const float* lse,
                            const Visibility& vis, const ScoreMod& mod, int key0, int m0, int t4) {
@@ -124,9 +94,9 @@ DEVI float2 unpack_f16x2(u32 v) {
   return r;
 }
 
-// ... then, with dP^T, the packed operands: P^T and dS^T = P^T (dP^T - delta) softcap' (CAP: the
-// softcap derivative from `dcap`; without it, SPLIT_WAIT's second half, `dcap` is not read).
-template <bool BF16, int BM, bool CAP = true>
+// ... then, with dP^T, the packed operands: P^T and dS^T = P^T (dP^T - delta) softcap' (the softcap
+// derivative from `dcap`).
+template <bool BF16, int BM>
 DEVI void grads_from_probs(const float (&pt)[BM / 2], const float (&dpt)[BM / 2], const u32 (&dcap)[BM / 4],
                            u32 (&pa)[BM / 16][4], u32 (&da)[BM / 16][4], const float* delta, int t4) {
 #pragma unroll
@@ -136,7 +106,7 @@ DEVI void grads_from_probs(const float (&pt)[BM / 2], const float (&dpt)[BM / 2]
       const int i = 8 * kk + 4 * (j >> 1) + 2 * (j & 1);
       const int col = 16 * kk + 8 * (j >> 1) + 2 * t4;
       const float2 d = *reinterpret_cast<const float2*>(delta + col);
-      const float2 c = CAP ? unpack_f16x2(dcap[i / 2]) : make_float2(1.f, 1.f);
+      const float2 c = unpack_f16x2(dcap[i / 2]);
       pa[kk][j] = pack2<BF16>(pt[i], pt[i + 1]);
       da[kk][j] = pack2<BF16>(pt[i] * (dpt[i] - d.x) * c.x, pt[i + 1] * (dpt[i + 1] - d.y) * c.y);
     }

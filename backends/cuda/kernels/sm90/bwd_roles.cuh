@@ -8,54 +8,29 @@
 #ifndef DQ_ORDERED
 #define DQ_ORDERED 0
 #endif
-// SPLIT_WAIT (opt-in, not dispatched): S^T and dP^T committed as two wgmma groups; P^T is computed
-// once S^T lands, while dP^T's GEMM still runs (the exponentials leave the critical path).
-#ifndef SPLIT_WAIT
-#define SPLIT_WAIT 0
-#endif
-// DQ_KEYS (opt-in, not dispatched: correct, 25-32 % slower at d128 on the H200, 2026-12-03): BM = 64 tiles
-// split dQ by keys at every head dim (d128 too: each consumer its own 64 keys x all 128 columns, twice the
-// reductions), and the consumers stop meeting at barrier 1 every step (each reads only its own dS^T rows).
-#ifndef DQ_KEYS
-#define DQ_KEYS 0
-#endif
 // DQ_LATE (the table's since 2026-12-03; 0.99-1.08x the plain schedule on the H200): the dQ GEMM of step
 // i is not waited for in step i; step i + 1 waits for it after its "full" barrier, issues S^T, adds dQ(i)
 // to dq_accum while S^T's GEMM runs, then issues dP^T; so the reductions leave the tensor cores' idle gap.
 #ifndef DQ_LATE
 #define DQ_LATE 0
 #endif
-// DQ_POINTERS (with DQ_LATE; written 2026-12-03): the late reductions from two row pointers formed once (each
-// a constant offset, the row tests predicates). ncu (H200, run 11) put 29 % of the kernel's stall samples
-// in the late reductions, on long-scoreboard waits to rewrite an address register the previous `red`
-// still read, while dP^T's GEMM waited behind them to be issued.
-#ifndef DQ_POINTERS
-#define DQ_POINTERS 0
-#endif
 // DQ_TMA (with DQ_LATE; the table's since 2026-12-03, 1.07-1.20x DQ_LATE alone on the H200): the late dQ part
 // goes to shared memory (two 64 x 32 fp32 boxes, 128-byte swizzle) and one thread adds it to dq_accum with
 // TMA reduce-adds, so the consumers issue 16 shared stores instead of 16 global reductions between S^T's
-// issue and dP^T's (FlashAttention-3's dQ path). With DQ_ORDERED (the ordered twins' since 2026-12-03 run 12): thread
-// 128 adds both consumers' parts in the query block's turn and passes it once they completed, beside dP^T's GEMM.
+// issue and dP^T's (FlashAttention-3's dQ path). With DQ_ORDERED (and without DQ_WRITER: 2026-12-03 run 12's
+// twin): thread 128 adds both consumers' parts in the query block's turn and passes it once they completed,
+// beside dP^T's GEMM.
 #ifndef DQ_TMA
 #define DQ_TMA 0
 #endif
-// TURN_EARLY (with DQ_ORDERED and DQ_TMA, without DQ_WRITER; opt-in, 1.04-1.08x faster than without on the H200,
-// 2026-12-03 run 13, before DQ_WRITER took the turns off the consumers): thread 128 issues the turn's
-// acquire load before the dQ staging stores (its L2 round trip then runs under them; it spins only when that
-// load did not show the turn) and passes the turn with the release alone (it waited for its own adds; the
-// fence.sc.gpu of pass_turn is for the red path, whose reductions are other threads').
-#ifndef TURN_EARLY
-#define TURN_EARLY 0
-#endif
-// DQ_WRITER (with DQ_TMA; the ordered twin's since 2026-12-03 run 13, opt-in over the table): the consumers only stage their dQ parts and hand them over
-// through the dq_full / dq_empty mbarriers; one thread of the producer warpgroup's second warp adds them with
-// the TMA reduce-adds (DQ_ORDERED: it waits for the turn before the parts arrive and passes it once they
+// DQ_WRITER (with DQ_TMA; the ordered twin's since 2026-12-03 run 13, opt-in over the table): the consumers
+// only stage their dQ parts and hand them over through the dq_full / dq_empty mbarriers; one thread of the
+// producer warpgroup's second warp adds them with the TMA reduce-adds (DQ_ORDERED: it waits for the turn before the parts arrive and passes it once they
 // completed), so no turn wait, completion wait or staging barrier stands in a consumer's step.
 #ifndef DQ_WRITER
 #define DQ_WRITER 0
 #endif
-// DQ_ROTATE (with DQ_ORDERED; opt-in, written 2026-12-03 offline): for problems where every query sees every key,
+// DQ_ROTATE (with DQ_ORDERED; opt-in: correct, slower than unrotated on most rows, H200 2026-12-03 run 13): for problems where every query sees every key,
 // M query blocks, N <= M key blocks all resident at once (the launcher checks all three: rotation_applies),
 // key block n walks the query blocks from k n (k = M / N) cyclically, and query block m takes its adders in
 // that walk's visit order: rank (min(m / k, N - 1) - n) mod N (dq_turn), so consecutive adders of a query
@@ -68,7 +43,7 @@ namespace sm90_bwd {
 
 constexpr int BN = 128;             // keys per thread block: 2 consumer warpgroups x 64
 constexpr int THREADS = 384;        // producer + 2 consumers
-constexpr int CONSUMER_WARPS = 8;   // arrivals that hand the staged dQ parts to the writer warp (DQ_BULK, DQ_WRITER)
+constexpr int CONSUMER_WARPS = 8;   // arrivals that hand the staged dQ parts to the writer (DQ_WRITER)
 // Every consumer thread arrives to free a Q/dO/lse/delta stage (not one lane per warp after a
 // __syncwarp: as valid, but compute-sanitizer's racecheck then reports the producer's next lse/delta
 // stores as racing with the other lanes' reads; H200, 2026-12-01).
@@ -77,12 +52,11 @@ constexpr int FULL_ARRIVALS = 33;   // the producer's expect_tx arrival + its wa
 constexpr int PRODUCER_REGS = 24;
 constexpr int CONSUMER_REGS = 240;  // 128 x 24 + 256 x 240 <= 64K registers
 constexpr int STEP_BARRIER = 1;     // named barriers: 1 both consumers (256); 2, 3 one consumer's epilogue
-                                    // (and, with DQ_KEYS, 6, 7 one consumer's step: ALONE_BARRIER)
 constexpr int STORE_BARRIER = 2;
 // DQ_ORDERED: 4 both consumers (256) around one query block's turn; 5 (split by keys) consumer 0's
 // additions before consumer 1's. (An enum: namespace-scope constants here become symbols of the cubin.)
 // DQ_TMA: 8, 9 one consumer's dQ staging (free, then written).
-enum : int { ORDER_BARRIER = 4, BATON_BARRIER = 5, ALONE_BARRIER = 6, DQ_STAGE_BARRIER = 8 };
+enum : int { ORDER_BARRIER = 4, BATON_BARRIER = 5, DQ_STAGE_BARRIER = 8 };
 
 // dQ = dS K split between the two consumers: BM = 128, by rows (each one 64-query dS^T panel,
 // N = HD); BM = 64, by columns where the head dim has two panels (each one 64-column K panel),
@@ -90,11 +64,8 @@ enum : int { ORDER_BARRIER = 4, BATON_BARRIER = 5, ALONE_BARRIER = 6, DQ_STAGE_B
 template <int HD, int BM>
 struct DqSplit {
   enum { BY_ROWS, BY_COLUMNS, BY_KEYS };
-  static constexpr int HOW = BM == 128 ? BY_ROWS : HD >= 128 && !DQ_KEYS ? BY_COLUMNS : BY_KEYS;
-  // dQ columns per consumer and GEMM; DQ_KEYS takes a wide head dim's in 64-column passes (a 64 x 128 fp32
-  // accumulator beside dK's and dV's made ptxas serialise the wgmmas, C7512)
-  static constexpr int N = HOW == BY_COLUMNS ? HD / 2 : HOW == BY_KEYS && DQ_KEYS ? 64 : HD;
-  enum { PASSES = HD / N / (HOW == BY_COLUMNS ? 2 : 1) };  // (an enum: no symbol in the cubin)
+  static constexpr int HOW = BM == 128 ? BY_ROWS : HD >= 128 ? BY_COLUMNS : BY_KEYS;
+  static constexpr int N = HOW == BY_COLUMNS ? HD / 2 : HD;  // dQ columns per consumer
   static constexpr int KEYS = HOW == BY_KEYS ? 64 : BN;       // k extent of each consumer's GEMM
   static_assert(N % 64 == 0, "MN-major wgmma operands are whole 64-column panels");
   static_assert(BM == 64 || BM == 128, "a step is one or two dS^T panels");
@@ -103,9 +74,7 @@ struct DqSplit {
 };
 
 // Byte offsets in the 1024-aligned dynamic shared memory (every tile a multiple of 1024 bytes).
-// DQB (dQ by bulk reduction): each consumer's 64 x N fp32 dQ part is staged in shared memory,
-// rows padded by 32 bytes (conflict-free float2 stores), for the writer warp's bulk reductions.
-template <int HD, int BM, bool DQB>
+template <int HD, int BM>
 struct Layout {
   static constexpr int PANELS = HD / 64;          // 64 columns = 128 bytes, one swizzle atom wide
   static constexpr int KV_PANEL = BN * 128;
@@ -114,23 +83,20 @@ struct Layout {
   static constexpr int QD_TILE = PANELS * QD_PANEL;
   static constexpr int DS_PANEL = BN * 128;       // dS^T: keys x 64 queries per panel
   static constexpr int DS_TILE = (BM / 64) * DS_PANEL;
-  static constexpr int DQ_ROW = DqSplit<HD, BM>::N * 4 + 32;
-  static constexpr int DQ_PART = 64 * DQ_ROW;     // one consumer's
   static constexpr int K = 0;
   static constexpr int V = K + KV_TILE;
   static constexpr int Q = V + KV_TILE;           // 2 stages
   static constexpr int DO = Q + 2 * QD_TILE;      // 2 stages
   static constexpr int DS = DO + 2 * QD_TILE;     // 2 buffers
-  static constexpr int DQ = DS + 2 * DS_TILE;     // 2 consumer parts (DQB only)
   // DQ_TMA: 2 consumer parts of two boxes of 64 rows x 32 fp32 columns (128-byte swizzle, 1024-aligned).
   // (An enum: each static constexpr member is a symbol of the cubin, and the builds without DQ_TMA keep
   // their bytes.)
-  enum : int { DQT_BOX = 64 * 32 * 4, DQT_PART = DQ_TMA ? 2 * DQT_BOX : 0, DQT = DQ + (DQB ? 2 * DQ_PART : 0) };
+  enum : int { DQT_BOX = 64 * 32 * 4, DQT_PART = DQ_TMA ? 2 * DQT_BOX : 0, DQT = DS + 2 * DS_TILE };
   static constexpr int LSE = DQT + 2 * DQT_PART;  // 2 stages x BM floats
   static constexpr int DELTA = LSE + 2 * BM * 4;  // 2 stages x BM floats
   static constexpr int BARRIERS = DELTA + 2 * BM * 4;
   static constexpr int BYTES = BARRIERS + 8 * 7;
-  // barriers: kv_full, per stage full, empty, then dq_full, dq_empty (DQB, DQ_WRITER)
+  // barriers: kv_full, per stage full, empty, then dq_full, dq_empty (DQ_WRITER)
   static DEVI u32 kv_full(u32 base) { return base + BARRIERS; }
   static DEVI u32 full(u32 base, int s) { return base + BARRIERS + 8 * (1 + s); }
   static DEVI u32 empty(u32 base, int s) { return base + BARRIERS + 8 * (3 + s); }

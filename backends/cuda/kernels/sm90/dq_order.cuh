@@ -44,7 +44,7 @@ DEVI void pass_turn(int* sem) {
   asm volatile("fence.sc.gpu;\nred.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem) : "memory");
 }
 // The increment as a release alone: enough when the thread itself performed (and waited for) what it releases
-// (TURN_EARLY's TMA adds, after their completion wait and the proxy fence).
+// (DQ_WRITER's TMA adds, after their completion wait and the proxy fence).
 DEVI void release_turn(int* sem) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem) : "memory");
 }

@@ -15,16 +15,14 @@
 //                                    barrier joins the two consumers (both dS^T halves staged)
 //     dQ += dS K                     wgmma, A (dS) and B (K) MN-major in shared memory, each
 //                                    consumer one half (DqSplit: rows, columns or keys), added
-//                                    to the fp32 dq_accum with red.global.add.v2 (or DQ_BULK)
+//                                    to the fp32 dq_accum with red.global.add.v2 (or DQ_TMA)
 // - at the end dK (times the scale) and dV go through the (now free) K and V tiles to TMA stores
 //   that clip at Sk and at the head dims.
 // The table's schedule (DQ_LATE) waits for each GEMM group before the next, except dQ's: a step's dQ is
 // waited for at the next step's start and added to dq_accum (DQ_ORDERED: in its turn) while that step's
 // S^T GEMM runs (DQ_TMA: staged in shared memory and added with TMA reduce-adds; with DQ_WRITER, the ordered
 // twin's, by a thread of the producer warpgroup, so no consumer waits for a turn). Without it (the plain
-// schedule) dQ is waited for and added at the end of its own step;
-// SPLIT_WAIT (opt-in, on the plain schedule) runs the exponentials beside dP^T's GEMM. The
-// elementwise step is sm90/bwd_probs.cuh; the roles, dQ split, shared-memory layout, work split and the
+// schedule) dQ is waited for and added at the end of its own step. The elementwise step is sm90/bwd_probs.cuh; the roles, dQ split, shared-memory layout, work split and the
 // knobs' defaults are sm90/bwd_roles.cuh.
 // A step whose tile is not wholly inside the causal/window band (tested for the whole thread
 // block, so ptxas keeps the wgmma pipeline) masks per element; the others skip the mask.
@@ -32,9 +30,8 @@
 // (P = 0), padded keys are masked (key_visible checks Sk).
 //
 // Compile-time knobs (NVRTC -D): IS_BF16, HEAD_DIM (tile: 64 or 128), BLOCK_M (queries per step:
-// 64 or 128), BLOCK_N (keys per block, 128), SCORE_MOD, DQ_BULK (dQ parts staged in shared memory and
-// added by a writer warp of the producer warpgroup with bulk reductions, FlashAttention-3's way,
-// instead of red.global.add from the consumers), DQ_ORDERED (with red or DQ_TMA: the dQ additions
+// 64 or 128), BLOCK_N (keys per block, 128), SCORE_MOD, DQ_LATE, DQ_TMA, DQ_WRITER, DQ_ROTATE (their
+// defaults and what each does: sm90/bwd_roles.cuh), DQ_ORDERED (with red or DQ_TMA: the dQ additions
 // into each (batch, query head, query block) of dq_accum in one fixed order of key blocks, so dq is
 // the same bits on every run; see "Ordered dQ" below), SHARED_BYTES (what the launcher reserves).
 // Checked and timed on the H200 (2026-12-01): see backends/cuda/NOTES.md, "Hopper backward".
@@ -50,10 +47,10 @@
 namespace sm90_bwd {
 
 // ---- producer (one warp) ----------------------------------------------------------------------
-template <int HD, int BM, bool DQB>
+template <int HD, int BM>
 DEVI void produce(const AttnParams& p, const Work& w, u32 base, float* lse_s, float* delta_s, const TmaMap* tq,
                   const TmaMap* tk, const TmaMap* tv, const TmaMap* tdo) {
-  using L = Layout<HD, BM, DQB>;
+  using L = Layout<HD, BM>;
   const int lane = threadIdx.x & 31;
   if (lane == 0) {
     tma_prefetch(tq);
@@ -89,33 +86,6 @@ DEVI void produce(const AttnParams& p, const Work& w, u32 base, float* lse_s, fl
   }
 }
 
-// ---- dQ writer (one warp, DQB) -------------------------------------------------------------------
-// Per step: wait until both consumers staged their dQ parts, add each row (N fp32, contiguous in
-// dq_accum; rows past Sq skipped) with a bulk reduction, wait until they were read, free the parts.
-template <int HD, int BM>
-DEVI void write_dq(const AttnParams& p, const Work& w, u32 base) {
-  using L = Layout<HD, BM, true>;
-  using Split = DqSplit<HD, BM>;
-  const int lane = threadIdx.x & 31;
-  for (int i = 0; i < w.steps; ++i) {
-    const int hq = step_head(p, w, i), m0 = step_m0<BM>(w, i);
-    float* dq_head = p.dq_accum + ((long long)w.b * p.heads_q + hq) * p.seqlen_q * p.dq_row;
-    mbar_wait(L::dq_full(base), i & 1);
-    for (int t = lane; t < 128; t += 32) {  // 2 consumers x 64 rows
-      const int consumer = t >> 6, r = t & 63;
-      const int row = m0 + Split::row0(consumer) + r;
-      if (row < p.seqlen_q)
-        bulk_reduce_add_f32(dq_head + (long long)row * p.dq_row + Split::col0(consumer),
-                            base + L::DQ + consumer * L::DQ_PART + r * L::DQ_ROW, Split::N * 4);
-    }
-    tma_store_commit();     // one bulk group of this lane's reductions
-    tma_store_wait_read();  // ... which have read the parts
-    __syncwarp();
-    if (lane == 0) mbar_arrive(L::dq_empty(base));
-  }
-  bulk_wait_all();  // the additions themselves, before the thread block may end
-}
-
 // ---- consumer parts ---------------------------------------------------------------------------
 // C^T = A B^T for this warpgroup's 64 rows of A (keys) and the BM rows of B (queries), both
 // K-major over HD columns: S^T = K Q^T and dP^T = V dO^T.
@@ -148,9 +118,9 @@ DEVI void issue_dq(float (&dq)[DQ_N / 2], u32 ds_panel, u32 k_panel) {
 }
 
 // This consumer's dQ part of a step (one pass of DqSplit's N columns): its half of dS K by DqSplit.
-template <bool BF16, int HD, int BM, bool DQB>
+template <bool BF16, int HD, int BM>
 DEVI void issue_step_dq(float (&dq)[DqSplit<HD, BM>::N / 2], u32 ds_tile, u32 base, u32 k_rows, int consumer) {
-  using L = Layout<HD, BM, DQB>;
+  using L = Layout<HD, BM>;
   using Split = DqSplit<HD, BM>;
   if constexpr (Split::HOW == Split::BY_ROWS)
     issue_dq<BF16, Split::N, Split::KEYS>(dq, ds_tile + consumer * L::DS_PANEL, base + L::K);
@@ -195,10 +165,10 @@ DEVI void write_rows(const float (&acc)[HD / 2], float scale, u32 rows, int warp
     }
 }
 
-template <bool BF16, int HD, int BM, bool MOD, bool DQB, bool ORD>
+template <bool BF16, int HD, int BM, bool MOD, bool ORD>
 DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32 base, const float* lse_s,
                   const float* delta_s, const TmaMap* tdk, const TmaMap* tdv, const TmaMap* tdq, int* dq_sem) {
-  using L = Layout<HD, BM, DQB>;
+  using L = Layout<HD, BM>;
   using Split = DqSplit<HD, BM>;
   constexpr int DQ_N = Split::N;
   const int consumer = threadIdx.x / 128 - 1;
@@ -230,11 +200,9 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
     } else if constexpr (DQ_TMA && ORD) {
       // the staging is free: the previous additions completed before their turn passed (pass_late_turn),
       // and a barrier of both consumers followed
-      const int seen = TURN_EARLY ? early_turn_load<BM>(p, vis, w, dq_sem, late_hq, late_m0) : 0;
       stage_dq_boxes<DQ_N>(dq_late, base + L::DQT + consumer * L::DQT_PART, warp_in_group, lane);
       fence_async_shared();
-      tma_dq_in_turn<HD, BM, L::DQT_PART, L::DQT_BOX>(tdq, base + L::DQT, p, vis, w, dq_sem, late_hq, late_m0,
-                                                     seen);
+      tma_dq_in_turn<HD, BM, L::DQT_PART, L::DQT_BOX>(tdq, base + L::DQT, p, vis, w, dq_sem, late_hq, late_m0);
     } else if constexpr (DQ_TMA) {
       // the staging is free once the previous reduce-adds have read it (the issuer waits, the barrier tells
       // the others); written, made visible to the async proxy, then one thread adds both boxes
@@ -257,12 +225,8 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
                              dq_col0 + 2 * t4, consumer);
     } else {
       float* dq_head = p.dq_accum + ((long long)w.b * p.heads_q + late_hq) * p.seqlen_q * p.dq_row;
-      if constexpr (DQ_POINTERS)
-        red_dq_rows<DQ_N>(dq_late, dq_head, p.dq_row, late_m0 + dq_row0 + warp_in_group * 16 + g, dq_col0 + 2 * t4,
-                          vis.seqlen_q);
-      else
-        red_dq<DQ_N>(dq_late, dq_head, p.dq_row, late_m0 + dq_row0 + warp_in_group * 16 + g, dq_col0 + 2 * t4,
-                     vis.seqlen_q);
+      red_dq<DQ_N>(dq_late, dq_head, p.dq_row, late_m0 + dq_row0 + warp_in_group * 16 + g, dq_col0 + 2 * t4,
+                   vis.seqlen_q);
     }
   };
   // DQ_ORDERED with DQ_TMA: the turn of the part add_late_dq added passes once its additions completed
@@ -286,20 +250,7 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
     const float* lse = lse_s + s * BM;
     const float* delta = delta_s + s * BM;
     mbar_wait(L::full(base, s), (i >> 1) & 1);
-    if constexpr (!MOD && SPLIT_WAIT) {
-      wgmma_fence();
-      issue_rows_by_queries<BF16, HD, BM>(st, k_rows, q_tile);
-      wgmma_commit();
-      issue_rows_by_queries<BF16, HD, BM>(dpt, v_rows, do_tile);
-      wgmma_commit();
-      wgmma_wait<1>();  // S^T has landed; dP^T may still be running
-      fence_regs(st);
-      probs_any<BM>(masked, st, lse, vis, p.scale_log2, w.n0 + key_row, m0, t4);
-      wgmma_wait<0>();
-      fence_regs(dpt);
-      u32 no_cap[BM / 4];  // not read (CAP = false)
-      grads_from_probs<BF16, BM, false>(st, dpt, no_cap, pa, da, delta, t4);
-    } else if constexpr (!MOD) {
+    if constexpr (!MOD) {
 #if DQ_LATE
       wgmma_wait<0>();  // the previous step's dQ (waited for here: after S^T's issue ptxas serialised, C7514)
 #endif
@@ -321,35 +272,26 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
       fence_regs(dpt);
       grads_any<BF16, BM>(masked, st, dpt, pa, da, lse, delta, vis, p.scale_log2, w.n0 + key_row, m0, t4);
     } else {
-      // dP^T issued after P^T keeps tanh's temporaries away from its accumulators; SPLIT_WAIT issues it
-      // first and lets the exponentials run beside it, as above
+      // dP^T issued after P^T keeps tanh's temporaries away from its accumulators
 #if DQ_LATE
       wgmma_wait<0>();  // the previous step's dQ
 #endif
       wgmma_fence();
       issue_rows_by_queries<BF16, HD, BM>(st, k_rows, q_tile);
       wgmma_commit();
-      if constexpr (SPLIT_WAIT) {
-        issue_rows_by_queries<BF16, HD, BM>(dpt, v_rows, do_tile);
-        wgmma_commit();
-        wgmma_wait<1>();
-      } else {
 #if DQ_LATE
-        if (i > 0) add_late_dq();  // under S^T's GEMM
+      if (i > 0) add_late_dq();  // under S^T's GEMM
 #endif
-        wgmma_wait<0>();
-      }
+      wgmma_wait<0>();
       fence_regs(st);
       u32 dcap[BM / 4];
       probs_modded_any<BM>(masked, st, dcap, lse, vis, mod, w.n0 + key_row, m0, t4);
-      if constexpr (!SPLIT_WAIT) {
-        wgmma_fence();
-        issue_rows_by_queries<BF16, HD, BM>(dpt, v_rows, do_tile);
-        wgmma_commit();
+      wgmma_fence();
+      issue_rows_by_queries<BF16, HD, BM>(dpt, v_rows, do_tile);
+      wgmma_commit();
 #if DQ_LATE
-        if (i > 0) pass_late_turn();  // beside dP^T's GEMM
+      if (i > 0) pass_late_turn();  // beside dP^T's GEMM
 #endif
-      }
       wgmma_wait<0>();
       fence_regs(dpt);
       grads_from_probs<BF16, BM>(st, dpt, dcap, pa, da, delta, t4);
@@ -366,38 +308,14 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
     issue_from_registers<BF16, HD, BM>(dk, da, q_tile);
     wgmma_commit();
 
-    // both consumers' dS^T in shared memory (DQ_KEYS, split by keys: this consumer's, which is all it reads)
+    // both consumers' dS^T in shared memory
     fence_async_shared();
-    if constexpr (DQ_KEYS && Split::HOW == Split::BY_KEYS)
-      named_sync(ALONE_BARRIER + consumer, 128);
-    else
-      named_sync(STEP_BARRIER, 256);
+    named_sync(STEP_BARRIER, 256);
 
-    if constexpr (Split::PASSES > 1) {  // DQ_KEYS at d128: this consumer's keys, 64 dQ columns at a time
-#pragma unroll
-      for (int pass = 0; pass < Split::PASSES; ++pass) {
-        float dq[DQ_N / 2];
-        wgmma_fence();
-        issue_dq<BF16, DQ_N, Split::KEYS>(dq, ds_tile + consumer * 64 * 128, k_rows + pass * L::KV_PANEL);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(dq);
-        if (pass == 0) {  // dV's and dK's GEMMs are done too: stage s is free
-          fence_regs(dk);
-          fence_regs(dv);
-          fence_regs(pa);
-          fence_regs(da);
-          mbar_arrive(L::empty(base, s));
-        }
-        float* dq_head = p.dq_accum + ((long long)w.b * p.heads_q + hq) * p.seqlen_q * p.dq_row;
-        red_dq<DQ_N>(dq, dq_head, p.dq_row, m0 + warp_in_group * 16 + g, pass * DQ_N + 2 * t4, vis.seqlen_q);
-      }
-      continue;
-    }
 #if DQ_LATE
     {
       wgmma_fence();  // (orders this step's reductions of dq_late before the GEMM overwrites it)
-      issue_step_dq<BF16, HD, BM, DQB>(dq_late, ds_tile, base, k_rows, consumer);
+      issue_step_dq<BF16, HD, BM>(dq_late, ds_tile, base, k_rows, consumer);
       wgmma_commit();
       wgmma_wait<1>();  // dV's and dK's GEMMs are done (dQ's may run on): stage s is free
       fence_regs(dk);
@@ -412,7 +330,7 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
 #endif
     float dq[DQ_N / 2];
     wgmma_fence();
-    issue_step_dq<BF16, HD, BM, DQB>(dq, ds_tile, base, k_rows, consumer);
+    issue_step_dq<BF16, HD, BM>(dq, ds_tile, base, k_rows, consumer);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(dq);
@@ -422,36 +340,20 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
     fence_regs(da);
     mbar_arrive(L::empty(base, s));  // this thread is done with Q, dO, lse, delta of stage s
 
-    if constexpr (DQB) {
-      // stage the part for the writer warp (its previous bulk reductions have read the last one)
-      mbar_wait(L::dq_empty(base), (i & 1) ^ 1);
-      const u32 part = base + L::DQ + consumer * L::DQ_PART;
+    float* dq_head = p.dq_accum + ((long long)w.b * p.heads_q + hq) * p.seqlen_q * p.dq_row;
+    if constexpr (ORD) {
+      red_dq_in_turn<HD, BM>(dq, p, vis, w, dq_sem, hq, m0, m0 + dq_row0 + warp_in_group * 16 + g,
+                             dq_col0 + 2 * t4, consumer);
+    } else {  // (the loop as it was, not red_dq: the plain schedule's builds stay byte-identical)
 #pragma unroll
       for (int c = 0; c < DQ_N / 8; ++c)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int row = warp_in_group * 16 + g + half * 8;
-          st_shared_v2(part + row * L::DQ_ROW + (c * 8 + 2 * t4) * 4, dq[4 * c + 2 * half], dq[4 * c + 2 * half + 1]);
+          const int row = m0 + dq_row0 + warp_in_group * 16 + g + half * 8;
+          const int col = dq_col0 + c * 8 + 2 * t4;
+          if (row < vis.seqlen_q) red_add_v2(dq_head + (long long)row * p.dq_row + col, dq[4 * c + 2 * half],
+                                             dq[4 * c + 2 * half + 1]);
         }
-      fence_async_shared();
-      __syncwarp();
-      if (lane == 0) mbar_arrive(L::dq_full(base));
-    } else {
-      float* dq_head = p.dq_accum + ((long long)w.b * p.heads_q + hq) * p.seqlen_q * p.dq_row;
-      if constexpr (ORD) {
-        red_dq_in_turn<HD, BM>(dq, p, vis, w, dq_sem, hq, m0, m0 + dq_row0 + warp_in_group * 16 + g,
-                               dq_col0 + 2 * t4, consumer);
-      } else {  // (the loop as it was, not red_dq: the plain schedule's builds stay byte-identical)
-#pragma unroll
-        for (int c = 0; c < DQ_N / 8; ++c)
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int row = m0 + dq_row0 + warp_in_group * 16 + g + half * 8;
-            const int col = dq_col0 + c * 8 + 2 * t4;
-            if (row < vis.seqlen_q) red_add_v2(dq_head + (long long)row * p.dq_row + col, dq[4 * c + 2 * half],
-                                               dq[4 * c + 2 * half + 1]);
-          }
-      }
     }
   }
 
@@ -485,11 +387,11 @@ DEVI void consume(const AttnParams& p, const Work& w, const Visibility& vis, u32
   }
 }
 
-template <bool BF16, int HD, int BM, bool MOD, bool DQB, bool ORD>
+template <bool BF16, int HD, int BM, bool MOD, bool ORD>
 DEVI void attention_backward(const AttnParams& p, const TmaMap* tq, const TmaMap* tk, const TmaMap* tv,
                              const TmaMap* tdo, const TmaMap* tdk, const TmaMap* tdv, const TmaMap* tdq,
                              int* dq_sem) {
-  using L = Layout<HD, BM, DQB>;
+  using L = Layout<HD, BM>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const u32 raw = smem_u32(smem_raw);
   const u32 base = (raw + 1023) & ~1023u;  // swizzle atoms need 1024-byte alignment
@@ -513,16 +415,14 @@ DEVI void attention_backward(const AttnParams& p, const TmaMap* tq, const TmaMap
 
   if (threadIdx.x < 128) {
     regs_dealloc<PRODUCER_REGS>();
-    if (threadIdx.x < 32 && w.steps > 0) produce<HD, BM, DQB>(p, w, base, lse_s, delta_s, tq, tk, tv, tdo);
-    if constexpr (DQB)
-      if (threadIdx.x >= 32 && threadIdx.x < 64 && w.steps > 0) write_dq<HD, BM>(p, w, base);
+    if (threadIdx.x < 32 && w.steps > 0) produce<HD, BM>(p, w, base, lse_s, delta_s, tq, tk, tv, tdo);
     if constexpr (DQ_WRITER)
       if (threadIdx.x == 32 && w.steps > 0)
         write_dq_tma<HD, BM, ORD, L::DQT_PART, L::DQT_BOX>(p, vis, w, base + L::DQT, L::dq_full(base),
                                                             L::dq_empty(base), tdq, dq_sem);
   } else {
     regs_alloc<CONSUMER_REGS>();
-    consume<BF16, HD, BM, MOD, DQB, ORD>(p, w, vis, base, lse_s, delta_s, tdk, tdv, tdq, dq_sem);
+    consume<BF16, HD, BM, MOD, ORD>(p, w, vis, base, lse_s, delta_s, tdk, tdv, tdq, dq_sem);
   }
 }
 
@@ -542,16 +442,11 @@ extern "C" __global__ void __launch_bounds__(sm90_bwd::THREADS, 1)
 #endif
     ) {
   static_assert(BLOCK_N == sm90_bwd::BN, "the kernel's roles fix 128 keys per block");
-  static_assert(sm90_bwd::Layout<HEAD_DIM, BLOCK_M, DQ_BULK != 0>::BYTES + 1024 == SHARED_BYTES,
+  static_assert(sm90_bwd::Layout<HEAD_DIM, BLOCK_M>::BYTES + 1024 == SHARED_BYTES,
                 "variants.py's shared_bytes() disagrees with the kernel's layout");
-  static_assert(!(DQ_ORDERED && DQ_BULK), "ordered dQ is written for the consumers' red path only");
-  static_assert(!(DQ_KEYS && (DQ_ORDERED || DQ_BULK)), "DQ_KEYS is written for the plain red path only");
-  static_assert(!(DQ_LATE && (DQ_BULK || DQ_KEYS || SPLIT_WAIT)), "DQ_LATE is written for the red path only");
-  static_assert(!DQ_POINTERS || (DQ_LATE && !DQ_ORDERED), "DQ_POINTERS changes DQ_LATE's atomic reductions only");
-  static_assert(!DQ_TMA || (DQ_LATE && !DQ_POINTERS), "DQ_TMA replaces DQ_LATE's atomic reductions");
-  static_assert(!TURN_EARLY || (DQ_ORDERED && DQ_TMA), "TURN_EARLY changes the ordered TMA turns only");
+  static_assert(!DQ_TMA || DQ_LATE, "DQ_TMA replaces DQ_LATE's atomic reductions");
   static_assert(!DQ_ROTATE || DQ_ORDERED, "DQ_ROTATE is a walk for the ordered dQ's turns");
-  static_assert(!DQ_WRITER || (DQ_TMA && !TURN_EARLY), "DQ_WRITER moves DQ_TMA's additions (and turns) to a writer");
+  static_assert(!DQ_WRITER || DQ_TMA, "DQ_WRITER moves DQ_TMA's additions (and turns) to a writer");
 #if !DQ_ORDERED
   int* const dq_sem = nullptr;
 #endif
@@ -560,6 +455,6 @@ extern "C" __global__ void __launch_bounds__(sm90_bwd::THREADS, 1)
 #else
   const TmaMap* const dq_map = nullptr;
 #endif
-  sm90_bwd::attention_backward<IS_BF16 != 0, HEAD_DIM, BLOCK_M, SCORE_MOD != 0, DQ_BULK != 0, DQ_ORDERED != 0>(
+  sm90_bwd::attention_backward<IS_BF16 != 0, HEAD_DIM, BLOCK_M, SCORE_MOD != 0, DQ_ORDERED != 0>(
       p, &tq, &tk, &tv, &tdo, &tdk, &tdv, dq_map, dq_sem);
 }

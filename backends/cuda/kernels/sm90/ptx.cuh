@@ -121,14 +121,7 @@ DEVI void red_add_v2(float* addr, float a, float b) {
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
 }
 
-// ---- bulk reductions (the backward's dQ by a writer warp) ------------------------------------
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) of fp32 from shared memory added to global.
-DEVI void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
-               "r"(bytes)
-               : "memory");
-}
-// (committed with tma_store_commit, their reads awaited with tma_store_wait_read: one bulk group)
+// ---- bulk groups ------------------------------------------------------------------------------
 // This thread's committed bulk operations have completed, writes included.
 DEVI void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 DEVI void st_shared_v2(u32 addr, float a, float b) {
