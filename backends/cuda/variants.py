@@ -55,7 +55,8 @@ class Variant(NamedTuple):
                           # in the query block's turn)
     dq_rotate: bool = False  # Hopper bwd, dq_ordered: each key block's walk over the query blocks rotated so a
                              # query block's turns come one after another in time (DQ_ROTATE; opt-in: correct,
-                             # slower than unrotated on 7 of 8 rows, run 13; launch_sm90_bwd.rotation_applies)
+                             # slower than unrotated on 5 of 8 rows with the writer, run 13;
+                             # launch_sm90_bwd.rotation_applies)
     dq_writer: bool = False  # Hopper bwd, dq_tma: the staged parts added (dq_ordered: in turn) by a writer warp of
                              # the producer warpgroup, not by a consumer thread (DQ_WRITER; the ordered twin's
                              # since 2026-12-03 run 13; over the table 0.97-1.01x its time: opt-in there)
