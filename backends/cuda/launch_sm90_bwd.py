@@ -11,8 +11,8 @@ Deterministic problems get the variant with `dq_ordered`: dQ is added into each 
 order of key blocks, so dq is the same bits on every run (148/148 cases over reruns on the H200,
 2026-12-03 run 13: a writer thread adds through TMA in turn, 0.98-1.11x the default's time); it takes one
 more kernel argument before the dQ map, the zeroed int32 turn counters (B, Hq, ceil(Sq / BM)) allocated
-here. The opt-in `dq_rotate` (DQ_ROTATE: correct, slower on 5 of 8 timed rows with the writer, run 13) rotates each key
-block's walk where `rotation_applies`; elsewhere the same variant runs without it.
+here. The opt-in `dq_rotate` (DQ_ROTATE: correct, slower on 5 of 8 timed rows with the writer, run 13)
+rotates each key block's walk where `rotation_applies`; elsewhere the same variant runs without it.
 """
 from __future__ import annotations
 
