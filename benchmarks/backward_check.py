@@ -205,6 +205,19 @@ def context_alive() -> bool:
         return False
 
 
+def bench_rounds(fns: dict, rounds: int) -> dict:
+    """{name: median over `rounds` of `bench(fn)`}, the names timed in turn within each round, so that a drift of
+    the clocks or of the host over the run falls on every name alike (on the H200 one kernel timed twice in one
+    process, one after the other, differed by up to 3 %)."""
+    import statistics
+
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(bench(fn))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def bench(fn) -> float:
     """Median ms of `fn` by triton's do_bench; NaN (and a line) where it cannot run, so that one
     kernel that cannot run a shape does not end the table."""

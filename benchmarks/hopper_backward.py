@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from .backward_check import bench, case_grid, check, stand_in_grads
+from .backward_check import bench, bench_rounds, case_grid, check, stand_in_grads
 from .cuda_deterministic import same_bits
 
 LENGTHS = (1, 77, 128, 1000, 4096)
@@ -141,9 +141,10 @@ def _flops_fwd(b, h, s, d, causal):
     return 4 * b * h * s * s * d / (2 if causal else 1)
 
 
-def time_all(seqlens, head_dims, configs=("table",)) -> None:
+def time_all(seqlens, head_dims, configs=("table",), rounds=3) -> None:
     """bwd-only and fwd+bwd per kernel, one row printed as soon as it is measured. attnx rows: the Hopper
-    forward and the backward timed apart (fwd+bwd = their sum); SDPA rows: its own forward + backward."""
+    forward and the backward timed apart (fwd+bwd = their sum; the backward configurations in `rounds` rounds
+    of one each, the median kept: `bench_rounds`); SDPA rows: its own forward + backward."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from attnx.autograd import backend_view
@@ -179,9 +180,9 @@ def time_all(seqlens, head_dims, configs=("table",)) -> None:
                         print(f"  ({name}: {type(err).__name__})", flush=True)
                         bwd = float("nan")
                     found[name] = (bwd, bench(both))
-                for config in configs:
-                    variant = _variant(p, config)
-                    hopper = bench(lambda: launch_sm90_bwd.backward(p, xv, out, lse, dout, variant))
+                timed = bench_rounds({config: (lambda v=_variant(p, config): launch_sm90_bwd.backward(
+                    p, xv, out, lse, dout, v)) for config in configs}, rounds)
+                for config, hopper in timed.items():
                     found[f"sm90 bwd {config}"] = (hopper, fwd_ms + hopper)
                 ampere = bench(lambda: launch.backward(p, xv, out, lse, dout))
                 found["sm80 bwd on sm90 (today)"] = (ampere, fwd_ms + ampere)
@@ -206,6 +207,7 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dims", default="128,64")
     parser.add_argument("--seqlens", default="1024,4096,16384", help="time: sequence lengths")
     parser.add_argument("--configs", default="table", help=f"comma list of {', '.join(CONFIGS)}")
+    parser.add_argument("--rounds", type=int, default=3, help="time: rounds over the configurations (median kept)")
     parser.add_argument("--max-scores", type=int, default=None,
                         help="check: only cases of at most this many Sq x Sk (e.g. under compute-sanitizer)")
     parser.add_argument("--only", default=None, help="check: only cases whose name contains this")
@@ -227,7 +229,7 @@ def main(argv=None) -> int:
             extra = _same_bits_over_reruns(grads) if config in ORDERED else None
             good &= check(cases(head_dims), grads, "cuda", args.max_scores, args.only, extra=extra)
         return 0 if good else 1
-    time_all(tuple(int(s) for s in args.seqlens.split(",")), head_dims, configs)
+    time_all(tuple(int(s) for s in args.seqlens.split(",")), head_dims, configs, args.rounds)
     return 0
 
 

@@ -115,3 +115,16 @@ def test_family_grid_runs_the_conformance_tools_under_the_forced_family(monkeypa
     assert family_grid.main(["sm80", "fuzz", "--count", "3"]) == 1  # the tool's exit status
     assert seen[-1] == (["--count", "3"], "sm80") and families.family_for((9, 0)).name == "sm90"
     assert family_grid.main([]) == 2 and family_grid.main(["--backend", "cuda"]) == 2
+
+
+def test_bench_rounds_times_the_names_in_turn_and_keeps_each_ones_median(monkeypatch):
+    """benchmarks.backward_check.bench_rounds (the Hopper backward's configurations, timed beside each other):
+    each round times every name once, in order, and a name's result is the median of its rounds, so one slow
+    round (a clock or host drift) moves no name."""
+    from benchmarks import backward_check
+
+    calls, readings = [], iter([1.0, 5.0, 9.0, 2.0, 4.0, 8.0])
+    monkeypatch.setattr(backward_check, "bench", lambda fn: (calls.append(fn()), next(readings))[1])
+    got = backward_check.bench_rounds({"a": lambda: "a", "b": lambda: "b"}, rounds=3)
+    assert calls == ["a", "b", "a", "b", "a", "b"]
+    assert got == {"a": 4.0, "b": 5.0}  # a: 1, 9, 4; b: 5, 2, 8
