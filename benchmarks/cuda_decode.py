@@ -29,6 +29,7 @@ from attnx.reference import attention_reference
 
 from .backward_check import max_err, run_numbered
 from .decode_emulate import emulate  # a module global here: tests patch `cuda_decode.emulate`
+from .decode_timing import TIME_FORMATS
 
 SWEEP_LENGTHS = "32768,131072"  # the tile sweep's defaults (benchmarks/decode_sweep.py)
 SWEEP_FORMATS = "cache,paged16"
@@ -133,12 +134,13 @@ TILE_CASES = (  # (name, page size, first length) of cases()
 def tile_label(v) -> str:
     """A candidate's short name: keys per warp block, warps, stages (+ea: EXACT_ALPHA; +l2_N: cp.async's
     L2 prefetch hint of N bytes where it is not the launcher's, `variants.DECODE_L2_PREFETCH`; +swz: K/V rows
-    swizzled, as the launcher's rings are by key format and stages, `variants.DECODE_KV_SWIZZLE`; else padded)."""
+    swizzled, as the launcher's rings are by key format and stages, `variants.DECODE_KV_SWIZZLE`; else padded;
+    +bulk: padded rows copied a row per bulk copy, KV_BULK, sm_90)."""
     from attnx.backends.cuda import variants
 
     return (f"n{v.block_n}w{v.warps}s{v.stages}" + ("+ea" if v.exact_alpha else "")
             + (f"+l2_{v.l2_prefetch}" if v.l2_prefetch != variants.DECODE_L2_PREFETCH else "")
-            + ("+swz" if v.kv_swizzle else ""))
+            + ("+swz" if v.kv_swizzle else "") + ("+bulk" if v.kv_bulk else ""))
 
 
 def tile_candidates(head_dim: int = 128, exact_alpha: bool = False, family: str = "sm90") -> list:
@@ -159,8 +161,10 @@ def pick_tiles(labels: str, head_dim: int = 128, exact_alpha: bool = False) -> l
     if labels == "all+swz":
         return [w for v in tile_candidates(head_dim, exact_alpha) for w in (v, v._replace(kv_swizzle=True))]
     every = tile_candidates(head_dim)
-    twins = [v._replace(exact_alpha=ea, l2_prefetch=l2, kv_swizzle=swz) for v in every for ea in (False, True)
-             for l2 in (0, 128, 256) for swz in (False, True)]
+    twins = [v._replace(exact_alpha=ea, l2_prefetch=l2, kv_swizzle=swz, kv_bulk=bulk) for v in every
+             for ea in (False, True) for l2 in (0, 128, 256) for swz, bulk in ((False, False), (True, False),
+                                                                             (False, True))
+             if not bulk or v.block_n <= 32]
     by_label = {tile_label(v): v for v in twins}
     found = []
     for label in labels.split(","):
@@ -199,7 +203,8 @@ def tile_variant(p, tile):
         raise ValueError(f"candidate {tile_label(tile)} is a d{tile.head_dim} tile; the call's is "
                          f"{base and base.head_dim}")
     v = base._replace(block_m=16, block_n=tile.block_n, warps=tile.warps, stages=tile.stages,
-                      exact_alpha=tile.exact_alpha, l2_prefetch=tile.l2_prefetch, kv_swizzle=tile.kv_swizzle)
+                      exact_alpha=tile.exact_alpha, l2_prefetch=tile.l2_prefetch, kv_swizzle=tile.kv_swizzle,
+                      kv_bulk=tile.kv_bulk)
     if v.shared_bytes() > variants.max_shared(p.capability):
         raise ValueError(f"candidate {tile_label(tile)} needs {v.shared_bytes()} bytes of shared memory; "
                          f"{p.arch} has {variants.max_shared(p.capability)}")
@@ -450,7 +455,9 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=128, help="check/sweep: the candidates' head-dim tile")
     parser.add_argument("--all-cases", action="store_true",
                         help="check --tile(s): every case of the candidate's head-dim tile, then the tile cases")
-    parser.add_argument("--formats", default=SWEEP_FORMATS, help="sweep: key formats (cache, dense, pagedN)")
+    parser.add_argument("--formats", default=None,
+                        help=f"time ({','.join(TIME_FORMATS)}) and sweep ({SWEEP_FORMATS}): key formats (dense, cache, "
+                             "cache-tok, pagedN, pagedN-hnd: benchmarks/decode_timing.py)")
     parser.add_argument("--rep", type=int, default=50, help="sweep: ms of replays per timing (triton do_bench)")
     parser.add_argument("--splits", default="0",
                         help="sweep: key-split counts to time each candidate at (0 = the launcher's heuristic)")
@@ -484,7 +491,7 @@ def main(argv=None) -> int:
     batches = tuple(int(b) for b in args.batches.split(","))
     if sweeping:
         lengths = tuple(int(s) for s in (args.lengths or SWEEP_LENGTHS).split(","))
-        formats = tuple(args.formats.split(","))
+        formats = tuple((args.formats or SWEEP_FORMATS).split(","))
         if args.dry_run:
             sweep_plan(tiles, batches, lengths, formats, args.head_dim)
             return 0
@@ -494,7 +501,7 @@ def main(argv=None) -> int:
     from .decode_timing import time_all
 
     time_all(tuple(int(b) for b in args.batches.split(",")), tuple(int(s) for s in args.lengths.split(",")),
-             args.max_gb, fused=args.fused)
+             args.max_gb, fused=args.fused, formats=tuple((args.formats or ",".join(TIME_FORMATS)).split(",")))
     return 0
 
 

@@ -15,16 +15,16 @@ import time
 import torch
 
 from .cuda_decode import check, kernel_forward, tile_cases, tile_label, tile_variant
-from .decode_timing import graphed, llama_decode_inputs, paged_copy
+from .decode_timing import format_keys, format_kind, graphed, llama_decode_inputs
 
 
 def _sweep_problem(b, s, fmt, head_dim, arch="sm_90"):
     from attnx.problem import Problem
 
-    paged = fmt.startswith("paged")
+    kind, page_size = format_kind(fmt)
     return Problem.create(dtype=torch.bfloat16, batch=b, heads_q=32, heads_kv=8, seqlen_q=1, seqlen_k=s,
-                          head_dim=head_dim, device="cuda", vendor="nvidia", arch=arch,
-                          kv_format="paged" if paged else fmt, page_size=int(fmt[5:]) if paged else None)
+                          head_dim=head_dim, device="cuda", vendor="nvidia", arch=arch, kv_format=kind,
+                          page_size=page_size)
 
 
 def sweep_plan(tiles, batches, lengths, formats, head_dim=128, sm_count=132, arch="sm_90") -> None:
@@ -110,10 +110,7 @@ def sweep(tiles, batches, lengths, formats, max_gb: float, head_dim: int = 128, 
         print(f"{b:>3} {s:>7} {'dense':<8} {'cudnn':<11} {'':>4} {'':>3} {'':>6} {ms:8.3f} {ref_gbps:7.0f}",
               flush=True)
         for fmt in formats:
-            kk, vv, kw = k, v, ({} if fmt == "dense" else dict(seqlens_k=lens))
-            if fmt.startswith("paged"):
-                kk, vv, table_ = paged_copy(k, v, int(fmt[5:]))
-                kw["page_table"] = table_
+            kk, vv, kw = format_keys(fmt, k, v, lens)
             p, x = make_call(q, kk, vv, grad_inputs=(), **kw)
             p = p._replace(arch=arch)
             xv = backend_view(p, x)

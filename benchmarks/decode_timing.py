@@ -11,16 +11,48 @@ import torch
 from .backward_check import bench
 
 
-def paged_copy(k, v, page_size):
-    """The dense (B, Hkv, S, D) cache as a page pool in shuffled page order and its table."""
+def paged_copy(k, v, page_size, heads_major: bool = False):
+    """The dense (B, Hkv, S, D) cache as a page pool (num_pages, page_size, Hkv, D) in shuffled page order
+    and its table. `heads_major`: the pool stored (num_pages, Hkv, page_size, D) (a page's rows of one head
+    adjacent, as FlashInfer's HND layout) and passed as its (num_pages, page_size, Hkv, D) view."""
     b, h, s, d = k.shape
     pages = s // page_size
     perm = torch.randperm(b * pages, device=k.device)
-    pool_k = torch.empty(b * pages, page_size, h, d, device=k.device, dtype=k.dtype)
-    pool_v = torch.empty_like(pool_k)
-    pool_k[perm] = k.reshape(b, h, pages, page_size, d).permute(0, 2, 3, 1, 4).reshape(b * pages, page_size, h, d)
-    pool_v[perm] = v.reshape(b, h, pages, page_size, d).permute(0, 2, 3, 1, 4).reshape(b * pages, page_size, h, d)
-    return pool_k, pool_v, perm.reshape(b, pages).to(torch.int32)
+    pools = []
+    for t in (k, v):
+        if heads_major:
+            pool = torch.empty(b * pages, h, page_size, d, device=t.device, dtype=t.dtype)
+            pool[perm] = t.reshape(b, h, pages, page_size, d).permute(0, 2, 1, 3, 4).reshape(b * pages, h, page_size, d)
+            pools.append(pool.transpose(1, 2))
+        else:
+            pool = torch.empty(b * pages, page_size, h, d, device=t.device, dtype=t.dtype)
+            pool[perm] = t.reshape(b, h, pages, page_size, d).permute(0, 2, 3, 1, 4).reshape(b * pages, page_size, h, d)
+            pools.append(pool)
+    return pools[0], pools[1], perm.reshape(b, pages).to(torch.int32)
+
+
+# Key formats of the decode timings: "dense"; "cache" (B, Hkv, S, D) with lengths; "cache-tok" the same keys
+# stored token-major (B, S, Hkv, D), as `attnx.KVCache.allocate` stores them; "pagedN" a pool of N-token pages
+# (num_pages, N, Hkv, D); "pagedN-hnd" that pool stored heads-major (`paged_copy`).
+def format_kind(fmt: str) -> tuple[str, int | None]:
+    """(the Problem's kv_format, page size or None) of a timing format name."""
+    base = fmt.split("-")[0]
+    if base.startswith("paged"):
+        return "paged", int(base[5:])
+    return base, None
+
+
+def format_keys(fmt: str, k, v, lens):
+    """(k, v, keyword arguments) of `attnx.attention` for the (B, Hkv, S, D) keys `k`, `v` in format `fmt`."""
+    kind, page_size = format_kind(fmt)
+    if kind == "dense":
+        return k, v, {}
+    if kind == "paged":
+        kk, vv, table = paged_copy(k, v, page_size, heads_major=fmt.endswith("-hnd"))
+        return kk, vv, dict(seqlens_k=lens, page_table=table)
+    if fmt.endswith("-tok"):  # a token-major copy, passed as its (B, Hkv, S, D) view
+        k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+    return k, v, dict(seqlens_k=lens)
 
 
 def graphed(fn):
@@ -83,7 +115,10 @@ def llama_decode_inputs(batches, lengths, max_gb: float, head_dim: int = 128):
             torch.cuda.empty_cache()
 
 
-def time_all(batches, lengths, max_gb: float, fused: bool = False) -> None:
+TIME_FORMATS = ("dense", "cache", "paged16", "paged1")
+
+
+def time_all(batches, lengths, max_gb: float, fused: bool = False, formats=TIME_FORMATS) -> None:
     """Llama-3-8B decode (32 q heads, 8 kv heads, d128, bf16, one new token): GB/s of K+V read once,
     kernels replayed from a CUDA graph (the Python call is not what is compared); `eager` rows add it.
     torch's kernels (SDPA's three, FlexAttention) run the dense problem: they take no cache lengths or
@@ -118,14 +153,8 @@ def time_all(batches, lengths, max_gb: float, fused: bool = False) -> None:
         flex = flex_decode(q, k, v)  # FlexAttention has no cache lengths or pages: dense rows only
         if flex is not None:
             row("dense", "flex", flex, f"err {default_error(q, k, v, flex()):.1e}")
-        for fmt in ("dense", "cache", "paged16", "paged1"):
-            kw = {}
-            kk, vv = k, v
-            if fmt == "cache":
-                kw = dict(seqlens_k=lens)
-            elif fmt.startswith("paged"):
-                kk, vv, table = paged_copy(k, v, int(fmt[5:]))
-                kw = dict(seqlens_k=lens, page_table=table)
+        for fmt in formats:
+            kk, vv, kw = format_keys(fmt, k, v, lens)
             p, x = make_call(q, kk, vv, grad_inputs=(), **kw)
             p = p._replace(arch=f"sm_{major}{minor}")
             xv = backend_view(p, x)

@@ -75,6 +75,8 @@ class Variant(NamedTuple):
                               # where a block lies inside one page (PAGE_BATCH, sm80/fa_decode.cu)
     fused_combine: bool = False  # decode: with key splits, the last block of each (batch, kv head, rows) to
                                  # finish merges the splits (FUSED_COMBINE, sm80/fa_decode.cu): no combine launch
+    kv_bulk: bool = False  # decode, sm_90, padded rings of 16/32-key blocks: each K/V row one bulk copy by the TMA
+                           # engine on a per-stage mbarrier, not HEAD_DIM / 8 cp.async (KV_BULK, sm80/fa_decode.cu)
 
     @property
     def threads(self) -> int:
@@ -134,6 +136,9 @@ class Variant(NamedTuple):
                 d["PAGE_BATCH"] = 1
             if self.fused_combine:
                 d["FUSED_COMBINE"] = 1
+            if self.kv_bulk:  # (likewise: only the bulk builds define it)
+                d["KV_BULK"] = 1
+                d["SHARED_BYTES"] = self.shared_bytes()  # the kernel places its barriers at the end
         if self.hopper_forward:
             d.update(OVERLAP=int(self.overlap), PINGPONG=int(self.pingpong))
             del d["BLOCK_M"], d["NUM_WARPS"]  # fixed by the kernel's warpgroup roles
@@ -164,7 +169,10 @@ class Variant(NamedTuple):
             ring = 16 * ld * 2 + 2 * self.warps * self.stages * self.block_n * kv_ld * 2
             merge = self.warps * 16 * ((self.head_dim + 4) * 4 + 8)
             split_weights = 16 * 128 * 4 if self.fused_combine else 0  # FUSED_COMBINE: 16 rows x MAX_SPLITS
-            return max(ring, merge, split_weights)
+            overlaid = max(ring, merge, split_weights)
+            if not self.kv_bulk:
+                return overlaid
+            return -(-overlaid // 8) * 8 + 8 * self.warps * self.stages  # KV_BULK: an mbarrier per warp stage
         if self.kernel == "fwd":
             return (self.block_m + 2 * self.stages * self.block_n) * ld * 2
         if self.kernel == "bwd_dq":  # Q, dO; STAGES x (K, V)
@@ -189,6 +197,7 @@ class Variant(NamedTuple):
         stages += "+swizzle" if self.kv_swizzle else ""
         stages += "+pagebatch" if self.page_batch else ""
         stages += "+fused" if self.fused_combine else ""
+        stages += "+bulk" if self.kv_bulk else ""
         stages += "+varlen" if self.varlen else ""
         tile = f"d{self.head_dim} {self.block_m}x{self.block_n} w{self.warps}{stages}"
         return f"{self.family} {self.kernel} {tile} {flags}"

@@ -22,11 +22,18 @@
 // block 32 c + j (and of the next 32 blocks), loaded 32 blocks ahead, so no copy waits on a table load;
 // FUSED_COMBINE (default 0): with splits, the last block of a program to finish merges its splits' partials
 // (an arrival counter per program after part_lse, zeroed by the launcher) instead of attnx_decode_combine;
+// KV_BULK (default 0; sm_90 only, padded rows, BLOCK_N <= 32): each K and V row of a block is one bulk copy
+// (cp.async.bulk, the TMA engine) issued by one lane and completing on the stage's mbarrier, in place of
+// HEAD_DIM / 8 16-byte cp.async per row; rows past the sequence are zeroed with shared stores, columns past
+// the head dims once at the start (no copy writes them); needs SHARED_BYTES (the barriers sit at its end);
 // DECODE_COMBINE=1 builds only the combine kernel (its own specialisation: IS_BF16).
 #include "common/mask.cuh"
 #include "common/score_mod.cuh"
 #include "common/softmax.cuh"
 #include "sm80/ptx.cuh"
+#if defined(KV_BULK) && KV_BULK
+#include "sm90/ptx.cuh"
+#endif
 
 // The launcher (backends/cuda/launch_decode.py) mirrors this layout with a numpy record:
 // 8-byte fields first, then 4-byte fields, same order.
@@ -80,6 +87,12 @@ DEVI int sequence_keys(const DecodeParams& p, int b) {
 #endif
 #ifndef FUSED_COMBINE
 #define FUSED_COMBINE 0
+#endif
+#ifndef KV_BULK
+#define KV_BULK 0
+#endif
+#if KV_BULK && KV_SWIZZLE
+#error "KV_BULK copies whole rows: its ring is padded, not swizzled"
 #endif
 
 // Elements per K/V row in a ring stage, and the byte offset of 16-byte chunk cc of row r. Padded rows
@@ -152,6 +165,53 @@ DEVI void load_kv(u32 sK, u32 sV, const DecodeParams& p, const u16* kbase, const
     cp_async16(sV + dst, vok ? vbase + voff + cc * 8 : vbase, vok);
   }
 }
+
+#if KV_BULK
+// One bulk copy (the TMA engine) of `bytes` from global `src` to shared `dst`, completing on mbarrier `bar`.
+DEVI void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+// KV_BULK: key block [n0, n0 + BN) into one ring stage, a row per copy: copy c of the warp (lane + 32 i)
+// is K row c (c < BN) or V row c - BN, HEAD_DIM-padded rows at `kv_chunk(r, 0)`. Lane 0 announces the
+// bytes of the rows inside the sequence on the stage's barrier `bar`; a row at or past Sk is zeroed here
+// (never read from global: past a cache's capacity there is nothing to read). Page entries as load_kv's.
+template <int HD, int BN>
+DEVI void load_kv_bulk(u32 sK, u32 sV, u32 bar, const DecodeParams& p, const u16* kbase, const u16* vbase, int n0,
+                       int Sk, int pg, int pr, int lane) {
+  static_assert(BN <= 32 && (2 * BN) % 32 == 0, "a copy per row: 16- or 32-key blocks");
+  const bool paged = p.page_table != nullptr;
+  const bool one_page = paged && block_in_page<BN>(p);
+  if (paged) pg = min(max(pg, 0), p.num_pages - 1);
+  const int kbytes = 2 * p.head_dim, vbytes = 2 * p.head_dim_v;
+  const int inside = min(max(Sk - n0, 0), BN);
+  if (lane == 0) mbar_arrive_expect_tx(bar, (u32)(inside * (kbytes + vbytes)));
+#pragma unroll
+  for (int i = 0; i < 2 * BN / 32; ++i) {
+    const int c = lane + 32 * i;
+    const bool is_v = c >= BN;
+    const int r = is_v ? c - BN : c;
+    long long off;
+    if (one_page) {
+      off = pg * (is_v ? p.v_bs : p.k_bs) + (pr + r) * (is_v ? p.v_rs : p.k_rs);
+    } else if (paged) {
+      const int page = __shfl_sync(0xffffffffu, pg, r), prow = __shfl_sync(0xffffffffu, pr, r);
+      off = page * (is_v ? p.v_bs : p.k_bs) + prow * (is_v ? p.v_rs : p.k_rs);
+    } else {
+      off = (long long)(n0 + r) * (is_v ? p.v_rs : p.k_rs);
+    }
+    const u32 dst = (is_v ? sV : sK) + kv_chunk<HD>(r, 0);
+    if (n0 + r < Sk) {
+      bulk_copy(dst, (is_v ? vbase : kbase) + off, (u32)(is_v ? vbytes : kbytes), bar);
+    } else {
+#pragma unroll
+      for (int cc = 0; cc < HD / 8; ++cc)
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst + 16 * cc), "r"(0u) : "memory");
+    }
+  }
+}
+#endif
 
 // The raw table entry of key j's page (0 at and past Sk) and j's row in the page.
 DEVI void lookup_key(const DecodeParams& p, int b, int j, int Sk, int* pg, int* pr) {
@@ -231,6 +291,17 @@ DEVI void decode_forward(const DecodeParams& p) {
   const int g = lane >> 2, t4 = lane & 3;
   const u32 ring = smem_u32(sQ + 16 * LD + warp * STAGES * 2 * BN * kv_ld<HD>());
   constexpr u32 STAGE_BYTES = 2 * BN * kv_ld<HD>() * 2, V_BYTES = BN * kv_ld<HD>() * 2;
+#if KV_BULK
+  // each warp's STAGES barriers past the ring, the merge buffer and the fused merge's weights (which overlay
+  // each other), as Variant.shared_bytes lays them out
+  constexpr int RING_END = 16 * LD * 2 + NW * STAGES * STAGE_BYTES;
+  constexpr int MERGE_END = NW * 16 * ((HD + 4) * 4 + 8), WEIGHTS_END = FUSED_COMBINE ? 16 * 128 * 4 : 0;
+  constexpr int BARRIERS = (((RING_END > MERGE_END ? RING_END : MERGE_END) > WEIGHTS_END
+                                 ? (RING_END > MERGE_END ? RING_END : MERGE_END)
+                                 : WEIGHTS_END) + 7) / 8 * 8;
+  static_assert(BARRIERS + 8 * NW * STAGES == SHARED_BYTES, "the launcher's shared memory size");
+  const u32 bars = smem_u32(smem) + BARRIERS + 8 * warp * STAGES;  // this warp's: stage s at bars + 8 s
+#endif
 
   const int programs = p.batch * p.heads_kv * p.row_chunks;
   const int split = blockIdx.x / programs;
@@ -281,6 +352,21 @@ DEVI void decode_forward(const DecodeParams& p) {
   const bool batched = PAGE_BATCH && paged && block_in_page<BN>(p);
   PageBatch pages;
   if (batched) pages.start<BN, NW>(p, b, my_first, nt, lane);
+#if KV_BULK
+  if (lane < STAGES) mbar_init(bars + 8 * lane, 1);  // one arrival (lane 0's, with the bytes) per block
+  mbar_init_fence();
+  // columns past the head dims: zero once (copies write head_dim / head_dim_v columns, rows past Sk whole)
+  if (p.head_dim < HD || p.head_dim_v < HD) {
+    for (int c = lane; c < STAGES * 2 * BN * (HD / 8); c += 32) {
+      const int r = c / (HD / 8), cc = c - r * (HD / 8);  // row r of the warp's ring (K, V blocks in turn)
+      const bool is_v = (r / BN) & 1;
+      if (cc * 8 >= (is_v ? p.head_dim_v : p.head_dim))
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(ring + kv_chunk<HD>(r, cc)), "r"(0u)
+                     : "memory");
+    }
+  }
+  __syncwarp();
+#endif
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < nt) {
@@ -289,8 +375,13 @@ DEVI void decode_forward(const DecodeParams& p) {
         pages.take<BN, NW>(p, b, my_first, s, nt, lane, &pg, &pr);
       else if (paged)
         lookup_page<BN>(p, b, n0, Sk, lane, &pg, &pr, &pg2, &pr2);
+#if KV_BULK
+      load_kv_bulk<HD, BN>(ring + s * STAGE_BYTES, ring + s * STAGE_BYTES + V_BYTES, bars + 8 * s, p, kbase, vbase,
+                           n0, Sk, pg, pr, lane);
+#else
       load_kv<HD, BN>(ring + s * STAGE_BYTES, ring + s * STAGE_BYTES + V_BYTES, p, kbase, vbase, n0, Sk, pg, pr,
                       pg2, pr2, lane);
+#endif
     }
     cp_commit();
   }
@@ -338,14 +429,23 @@ DEVI void decode_forward(const DecodeParams& p) {
   float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
 
   for (int t = 0; t < nt; ++t) {
+#if KV_BULK
+    mbar_wait(bars + 8 * (t % STAGES), (t / STAGES) & 1);  // block t's rows have landed (zeroed rows: below)
+#else
     cp_wait<STAGES - 2>();  // this lane's copies of block t have landed
+#endif
     __syncwarp();           // ... every lane's too; the stage refilled below was last read at t - 1
     {
       const int tn = t + STAGES - 1;
       if (tn < nt) {
         const u32 st = ring + (tn % STAGES) * STAGE_BYTES;
         if (batched) pages.take<BN, NW>(p, b, my_first, tn, nt, lane, &pg, &pr);
+#if KV_BULK
+        load_kv_bulk<HD, BN>(st, st + V_BYTES, bars + 8 * (tn % STAGES), p, kbase, vbase, (my_first + tn * NW) * BN,
+                             Sk, pg, pr, lane);
+#else
         load_kv<HD, BN>(st, st + V_BYTES, p, kbase, vbase, (my_first + tn * NW) * BN, Sk, pg, pr, pg2, pr2, lane);
+#endif
       }
       cp_commit();
       // the next block's table entries: their latency hides behind this block's math
