@@ -273,16 +273,16 @@ for step in "$@"; do
                 benchmarks.cuda_decode time --fused ;;
     # KV_BULK (a K/V row per bulk copy on sm_90, written 2026-12-03 session 18): every d128 case on both d128
     # tiles and the tile cases at d64/d256 against float64, memcheck on garbage tables and lengths, synccheck on
-    # mixed page sizes; then the launcher's swizzled rings beside the bulk twins over key formats and layouts
+    # mixed page sizes (last); the launcher's swizzled rings beside the bulk twins over key formats and layouts
     decode-bulk) run_step decode-bulk-check 240 bash -c 'python3 -m benchmarks.cuda_decode check --all-cases \
                 --tile n16w4s2+ea+bulk,n16w4s3+ea+bulk && python3 -m benchmarks.cuda_decode check --head-dim 64 \
                 --tile n16w4s4+ea+bulk && python3 -m benchmarks.cuda_decode check --head-dim 256 --tile n16w4s2+ea+bulk'
-            for tool in memcheck synccheck; do run_step decode-bulk-$tool 100 compute-sanitizer --tool $tool \
-                --report-api-errors no python3 -m benchmarks.cuda_decode check --tile n16w4s2+ea+bulk \
-                --only "$([ $tool = memcheck ] && echo 'bad index' || echo mixed)"; done
             [ -n "${passed[decode-bulk-check]:-}" ] && run_step decode-bulk-sweep 300 python3 -m benchmarks.cuda_decode \
                 sweep --tile n16w4s2+ea+swz,n16w4s2+ea+bulk,n16w4s3+ea+swz,n16w4s3+ea+bulk --batches 1,8,64 \
-                --lengths 4096,32768,131072 --formats cache,cache-tok,paged16,paged16-hnd,paged1 --max-gb 20 ;;
+                --lengths 4096,32768,131072 --formats cache,cache-tok,paged16,paged16-hnd,paged1 --max-gb 20
+            for tool in memcheck synccheck; do run_step decode-bulk-$tool 100 compute-sanitizer --tool $tool \
+                --report-api-errors no python3 -m benchmarks.cuda_decode check --tile n16w4s2+ea+bulk \
+                --only "$([ $tool = memcheck ] && echo 'bad index' || echo mixed)"; done ;;
     decode-cuda) run_step decode-cuda-check 150 python3 -m benchmarks.cuda_decode check
             [ -n "${passed[decode-cuda-check]:-}" ] && run_step decode-cuda-time 200 python3 -m benchmarks.cuda_decode time ;;
     *) echo "$step: unknown step" >> "$out/summary.txt" ;;
