@@ -230,6 +230,11 @@ def test_decode_compiles_without_spills_for_sm_90a():
     # FUSED_COMBINE (the last split merges) is opt-in too: every table variant's twin
     assert not any(v.fused_combine for v in found)
     found += [v._replace(fused_combine=True) for v in found[:6]]
+    # KV_BULK (a K/V row per bulk copy, padded rings) is opt-in: the table's twins (the kernel's static_assert
+    # holds its barriers' place to Variant.shared_bytes), one with the fused merge's weights overlaid too
+    assert not any(v.kv_bulk for v in found)
+    found += [v._replace(kv_swizzle=False, kv_bulk=True) for v in found[:6]] + [found[6]._replace(kv_swizzle=False,
+                                                                                                  kv_bulk=True)]
     for v in found:
         ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
                                                    (*nvrtc_options(v, "sm_90a"), "-Xptxas=-v"))
@@ -360,6 +365,19 @@ def test_sweep_swizzled_twins():
     assert labels[::2] == D128_CANDIDATES and labels[1::2] == [f"{x}+swz" for x in D128_CANDIDATES]
     assert all(s.kv_swizzle and not p.kv_swizzle and s.shared_bytes() < p.shared_bytes()
                for p, s in zip(found[::2], found[1::2]))
+
+
+def test_sweep_bulk_twins():
+    """`+bulk` names a candidate's KV_BULK twin: padded rows, an mbarrier per warp stage after the overlaid ring,
+    merge buffer and fused weights (8-byte aligned), the kernel told the total (SHARED_BYTES) to place them."""
+    (bulk,) = cuda_decode.pick_tiles("n16w4s2+ea+bulk")
+    (padded,) = cuda_decode.pick_tiles("n16w4s2+ea")
+    assert bulk == padded._replace(kv_bulk=True) and cuda_decode.tile_label(bulk) == "n16w4s2+ea+bulk"
+    assert bulk.shared_bytes() == -(-padded.shared_bytes() // 8) * 8 + 8 * 4 * 2
+    assert "-DKV_BULK=1" in bulk.defines() and f"-DSHARED_BYTES={bulk.shared_bytes()}" in bulk.defines()
+    assert "KV_BULK" not in " ".join(padded.defines()) and "+bulk" in bulk.label()
+    with pytest.raises(SystemExit):  # no swizzled bulk twin: a copy writes a whole row in place
+        cuda_decode.pick_tiles("n16w4s2+ea+swz+bulk")
 
 
 @pytest.mark.parametrize("page_size,shift", [(1, 0), (5, -1), (8, 3), (16, 4), (48, -1), (256, 8)])
