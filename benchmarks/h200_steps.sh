@@ -3,7 +3,7 @@
 # Usage on the device machine: bash benchmarks/h200_steps.sh OUTDIR SECONDS STEP...
 # Steps: tests gpu-tests conformance-cuda conformance-torch conformance-triton paper hopper-check hopper-time det-check det-time sanitize
 #        decode-bw ordered ncu-bwd fuzz-triton decode-cuda paper-short huge sanitize-ordered
-#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-sweep-paged decode-sanitize decode-sanitize-quick serving-flex decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability dqlate ncu-bwd-sass replay recheck nan-fixup decode-fused dqwriter conformance-sm80 writer-next decode-bulk
+#        fuzz-triton-more fuzz-cuda profile-calls sanitize-grid initcheck-probe exact-alpha nan-rows decode-kernels ncu-decode-full ncu-decode-paged decode-sweep decode-sweep-swz decode-sweep-paged decode-sanitize decode-sanitize-quick serving-flex decode-swizzle decode-splits varlen-cuda varlen-hopper varlen-backward reliability dqlate ncu-bwd-sass replay recheck nan-fixup decode-fused dqwriter conformance-sm80 writer-next decode-bulk decode-rows
 # A "-time" step runs only when its "-check" step passed earlier in the same call.
 # Each step's log is $OUT/logs/STEP.log; $OUT/summary.txt holds rc per step and each log's tail.
 set -uo pipefail
@@ -283,6 +283,13 @@ for step in "$@"; do
             for tool in memcheck synccheck; do run_step decode-bulk-$tool 100 compute-sanitizer --tool $tool \
                 --report-api-errors no python3 -m benchmarks.cuda_decode check --tile n16w4s2+ea+bulk \
                 --only "$([ $tool = memcheck ] && echo 'bad index' || echo mixed)"; done ;;
+    # the launcher with bulk rings for pools of pages smaller than a key block (DECODE_KV_BULK, run 14 call 2):
+    # every check case, memcheck on garbage tables, then the time table with the token-major cache beside
+    decode-rows) run_step decode-rows-check 150 python3 -m benchmarks.cuda_decode check
+            run_step decode-rows-memcheck 100 compute-sanitizer --tool memcheck --report-api-errors no \
+                python3 -m benchmarks.cuda_decode check --only "bad index"
+            [ -n "${passed[decode-rows-check]:-}" ] && run_step decode-rows-time 300 python3 -m benchmarks.cuda_decode \
+                time --formats dense,cache,cache-tok,paged16,paged1 ;;
     decode-cuda) run_step decode-cuda-check 150 python3 -m benchmarks.cuda_decode check
             [ -n "${passed[decode-cuda-check]:-}" ] && run_step decode-cuda-time 200 python3 -m benchmarks.cuda_decode time ;;
     *) echo "$step: unknown step" >> "$out/summary.txt" ;;

@@ -181,6 +181,30 @@ def test_splits_keep_the_grid_in_one_launch():
     assert plan.grid == 16 and plan.splits == 2
 
 
+def test_pools_of_pages_smaller_than_a_key_block_take_bulk_rings_with_three_stages():
+    """`ring_format`: pages that do not hold whole 16-key blocks (a table entry per key) are "paged-rows", whose
+    3-stage d128 ring copies a row per bulk copy on Hopper (`DECODE_KV_BULK`, run 14: 1.05-1.07x at B = 64, page 1);
+    their 2-stage ring and every other format's stay swizzled, and Ampere-class GPUs have no bulk copies."""
+    assert all(t.block_n == variants.DECODE_BLOCK_KEYS for tiles in variants.DECODE_TILES.values() for t in tiles)
+    shared = variants.max_shared((9, 0))
+    for page_size, ring in ((1, "paged-rows"), (5, "paged-rows"), (8, "paged-rows"), (16, "paged"), (48, "paged"),
+                            (256, "paged")):
+        p = _decode_problem("paged", batch=64, page_size=page_size)
+        assert launch_decode.ring_format(p) == ring
+        found = launch_decode.decode_candidates_for(p)
+        assert [(v.stages, v.kv_bulk, v.kv_swizzle) for v in found] == (
+            [(2, False, True), (3, True, False)] if ring == "paged-rows" else [(2, False, True), (3, False, True)])
+        assert launch_decode.pick_decode_variant(p, 32768, 132, None).kv_bulk is (ring == "paged-rows")
+    assert launch_decode.ring_format(_decode_problem("cache", batch=64)) == "cache"
+    ampere = variants.decode_variants(families.AMPERE, True, 128, False, variants.max_shared((8, 0)), "paged-rows")
+    assert ampere and not any(v.kv_bulk for v in ampere)
+    for tile in (64, 256):  # no 3-stage tile: swizzled
+        assert not any(v.kv_bulk for v in variants.decode_variants(families.HOPPER, True, tile, False, shared,
+                                                                   "paged-rows"))
+    requested = variants.requestable(families.HOPPER, (9, 0))
+    assert sum(v.kv_bulk for v in requested) == 4  # d128 s3: fp16/bf16 x with/without score mod
+
+
 def test_page_batch_is_for_paged_pools_only(monkeypatch):
     monkeypatch.setattr(variants, "DECODE_PAGE_BATCH", True)
     shared = variants.max_shared((9, 0))
@@ -221,9 +245,12 @@ def test_decode_compiles_without_spills_for_sm_90a():
     shared = variants.max_shared((9, 0))
     found = [v for tile, kv_format in ((128, "cache"), (128, "paged"), (256, "cache"), (256, "paged"))
              for v in variants.decode_variants(families.HOPPER, True, tile, tile == 256, shared, kv_format)]
-    # d128: 2 and 3 stages per format, every ring swizzled (DECODE_KV_SWIZZLE)
+    # d128: 2 and 3 stages per format, every ring swizzled (DECODE_KV_SWIZZLE); pages smaller than a key block:
+    # the 3-stage ring bulk-copied (DECODE_KV_BULK), compiled at the end
     assert [(v.head_dim, v.stages, v.kv_swizzle) for v in found] == [
         (128, 2, True), (128, 3, True), (128, 2, True), (128, 3, True), (256, 2, True), (256, 2, True)]
+    rows = variants.decode_variants(families.HOPPER, True, 128, False, shared, "paged-rows")
+    assert [(v.stages, v.kv_swizzle, v.kv_bulk) for v in rows] == [(2, True, False), (3, False, True)]
     # PAGE_BATCH (page entries 32 blocks ahead) is opt-in: compiled here beside the table's paged variants
     assert not any(v.page_batch for v in found)
     found += [v._replace(page_batch=True) for v in found[2:4] + found[5:]]
@@ -235,6 +262,7 @@ def test_decode_compiles_without_spills_for_sm_90a():
     assert not any(v.kv_bulk for v in found)
     found += [v._replace(kv_swizzle=False, kv_bulk=True) for v in found[:6]] + [found[6]._replace(kv_swizzle=False,
                                                                                                   kv_bulk=True)]
+    found += rows[1:]
     for v in found:
         ok, log, size = nvrtc_check.compile_source(kernel_source(v.source), v.source,
                                                    (*nvrtc_options(v, "sm_90a"), "-Xptxas=-v"))

@@ -24,6 +24,7 @@ class Family(NamedTuple):
     sources: Mapping[str, str]         # kernel kind ("fwd", "bwd", "bwd_dq", ...) -> file under kernels/
     priority: int                      # among families covering a GPU, the highest runs
     tensor_maps: bool = False          # the forward reads q/k/v and writes out through TMA tensor maps
+    bulk_copies: bool = False          # its GPUs have the TMA engine's plain bulk copies (cp.async.bulk, sm_90+)
 
     def covers(self, capability) -> bool:
         return self.min_capability <= tuple(capability) <= self.max_capability
@@ -43,7 +44,7 @@ HOPPER = Family(name="sm90", min_capability=(9, 0), max_capability=(9, 0),
                 sources={"fwd": "sm90/fa_fwd.cu", "bwd": "sm80/fa_bwd.cu", "bwd_wgmma": "sm90/fa_bwd.cu",
                          "bwd_dq": "sm80/fa_bwd_dq.cu", "decode": "sm80/fa_decode.cu",
                          "decode_combine": "sm80/fa_decode.cu"},
-                priority=1, tensor_maps=True)
+                priority=1, tensor_maps=True, bulk_copies=True)
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (AMPERE, HOPPER)}
 

@@ -31,7 +31,7 @@ from attnx.limits import kernel_window
 from .families import family_for, nvrtc_arch
 from .launch import (MAX_GRID, _check_grid, _strides, _strides_ok, _vector, family_tile, kernel_operand, round8,
                      score_mod)
-from .variants import Variant, decode_combine_variant, decode_variants, max_shared
+from .variants import DECODE_BLOCK_KEYS, Variant, decode_combine_variant, decode_variants, max_shared
 
 MAX_SEQLEN_Q = 16     # query rows per sequence the kernel is built for (one 16-row mma tile per head)
 ROWS_PER_BLOCK = 16   # rows of the GQA group (heads x queries) per kernel block
@@ -118,6 +118,15 @@ def decode_reasons(p) -> list[str]:
     return reasons
 
 
+def ring_format(p) -> str:
+    """The key format the decode kernel's K/V ring is declared for (`variants.DECODE_KV_BULK`,
+    `DECODE_KV_SWIZZLE`): `p.kv_format`, except pools whose pages do not hold whole key blocks ("paged-rows":
+    the kernel looks up a page per key there)."""
+    if p.kv_format == "paged" and (p.page_size or 0) % DECODE_BLOCK_KEYS:
+        return "paged-rows"
+    return p.kv_format
+
+
 @functools.lru_cache(maxsize=1024)
 def decode_candidates_for(p) -> tuple:
     """The decode kernels `pick_decode_variant` chooses among for `p`, best first (empty: no tile)."""
@@ -126,7 +135,7 @@ def decode_candidates_for(p) -> tuple:
         return ()
     family, tile = found
     return tuple(decode_variants(family, p.dtype == torch.bfloat16, tile, score_mod(p), max_shared(p.capability),
-                                 p.kv_format))
+                                 ring_format(p)))
 
 
 def decode_variant_for(p) -> Optional[Variant]:

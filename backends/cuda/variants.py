@@ -266,7 +266,15 @@ DECODE_L2_PREFETCH = 128  # the decode kernel's cp.async L2 prefetch hint (bytes
 # with 3 (B = 64) while the kernel clamped each page entry right after its load (run8/call4); with the lookup
 # of 2026-12-03 (entries clamped a block later, one per block inside a page) swizzled is 0-5 % faster at
 # B = 64 with 3 stages too and never more than 1 % slower (run9/call1). Ampere-class GPUs unmeasured.
-DECODE_KV_SWIZZLE = {"dense": (2, 3, 4), "cache": (2, 3, 4), "paged": (2, 3, 4)}
+# "paged-rows": pools whose pages do not hold whole key blocks (`launch_decode.ring_format`; page 1: a table entry
+# per key, shuffled to the lanes copying its row's chunks).
+DECODE_KV_SWIZZLE = {"dense": (2, 3, 4), "cache": (2, 3, 4), "paged": (2, 3, 4), "paged-rows": (2, 3, 4)}
+# Rings copied a whole K/V row per bulk copy (KV_BULK) on families with bulk copies, per key format: the stage
+# counts, before DECODE_KV_SWIZZLE. The H200 sweep of 2026-12-03 (run 14 call 1): bulk rings 3-7 % slower than
+# swizzled ones wherever a block lies inside one page (and on caches), but on "paged-rows" with 3 stages (B = 64,
+# no splits) 1.05-1.07x faster (page 1: 0.84-0.86x cuDNN's dense rate -> 0.90), with 2 stages 1-6 % slower.
+DECODE_KV_BULK = {"paged-rows": (3,)}
+DECODE_BLOCK_KEYS = 16  # every DECODE_TILES entry's key block (a page of a multiple of it holds whole blocks)
 # Paged pools: page entries loaded 32 blocks ahead (PAGE_BATCH) where a page holds whole key blocks. Written
 # 2026-12-03 for B = 1, where a block's lookup a block ahead looked exposed (paged 16 at 0.90x the cache at
 # 4k). Correct on the H200 (126/126, memcheck and synccheck clean, conformance 190/190) but not measurably
@@ -433,15 +441,17 @@ def ordered_twin(v: Variant) -> Variant:
 def decode_variants(family: Family, bf16: bool, tile: int, score_mod: bool, max_shared: int,
                     kv_format: str = "paged") -> list[Variant]:
     """The split-KV decode kernels the launcher picks among for a head-dim tile and key format (its ring
-    layout, `DECODE_KV_SWIZZLE`), best first: every `DECODE_TILES` entry that fits for the tiles of
+    layout, `DECODE_KV_BULK` then `DECODE_KV_SWIZZLE`; `launch_decode.ring_format`), best first: every `DECODE_TILES` entry that fits for the tiles of
     `DECODE_TILES_BY_WAVE`, else the first that fits; empty where none does."""
     if "decode" not in family.sources:
         return []
     found = []
     for t in DECODE_TILES.get(tile, ()):
+        bulk = family.bulk_copies and t.stages in DECODE_KV_BULK.get(kv_format, ())
         v = Variant(family.name, "decode", bf16, tile, t.block_m, t.block_n, t.warps, score_mod, stages=t.stages,
                     exact_alpha=True, l2_prefetch=DECODE_L2_PREFETCH,
-                    kv_swizzle=t.stages in DECODE_KV_SWIZZLE[kv_format],
+                    kv_swizzle=t.stages in DECODE_KV_SWIZZLE[kv_format] and not bulk,
+                    kv_bulk=bulk,
                     page_batch=DECODE_PAGE_BATCH and kv_format == "paged", fused_combine=DECODE_FUSED_COMBINE)
         if v.shared_bytes() <= max_shared:
             found.append(v)
@@ -529,7 +539,7 @@ def requestable(family: Family, capability) -> list[Variant]:
                 bwd = hopper_backward_variant(family, bf16, tile, mod, shared)
                 found += [bwd, ordered_twin(bwd)] if bwd else []  # the second: deterministic
             for tile in TILE_SETS.get((family.name, "decode"), ()):
-                for kv_format in ("cache", "paged"):  # (dense keys share the cache's ring layout)
+                for kv_format in ("cache", "paged", "paged-rows"):  # (dense keys share the cache's ring layout)
                     found += [v for v in decode_variants(family, bf16, tile, mod, shared, kv_format) if v not in found]
         combine = decode_combine_variant(family, bf16)
         found += [combine] if combine else []
