@@ -296,9 +296,9 @@ DEVI void decode_forward(const DecodeParams& p) {
   // each other), as Variant.shared_bytes lays them out
   constexpr int RING_END = 16 * LD * 2 + NW * STAGES * STAGE_BYTES;
   constexpr int MERGE_END = NW * 16 * ((HD + 4) * 4 + 8), WEIGHTS_END = FUSED_COMBINE ? 16 * 128 * 4 : 0;
-  constexpr int BARRIERS = (((RING_END > MERGE_END ? RING_END : MERGE_END) > WEIGHTS_END
-                                 ? (RING_END > MERGE_END ? RING_END : MERGE_END)
-                                 : WEIGHTS_END) + 7) / 8 * 8;
+  constexpr int OVERLAID = RING_END > MERGE_END ? (RING_END > WEIGHTS_END ? RING_END : WEIGHTS_END)
+                                                : (MERGE_END > WEIGHTS_END ? MERGE_END : WEIGHTS_END);
+  constexpr int BARRIERS = (OVERLAID + 7) / 8 * 8;
   static_assert(BARRIERS + 8 * NW * STAGES == SHARED_BYTES, "the launcher's shared memory size");
   const u32 bars = smem_u32(smem) + BARRIERS + 8 * warp * STAGES;  // this warp's: stage s at bars + 8 s
 #endif
@@ -430,7 +430,8 @@ DEVI void decode_forward(const DecodeParams& p) {
 
   for (int t = 0; t < nt; ++t) {
 #if KV_BULK
-    mbar_wait(bars + 8 * (t % STAGES), (t / STAGES) & 1);  // block t's rows have landed (zeroed rows: below)
+    mbar_wait(bars + 8 * (t % STAGES), (t / STAGES) & 1);  // block t's copied rows have landed (its zeroed
+                                                           // rows, stored at issue, by the __syncwarp below)
 #else
     cp_wait<STAGES - 2>();  // this lane's copies of block t have landed
 #endif
