@@ -26,19 +26,24 @@ def _decode_blocks(acc, l_i, m_i, q, k_base, v_base, pt_row, start, stop, page_s
     """Keys [start, stop) of one sequence into the online softmax of the program's rows.
 
     Contiguous keys (dense, packed, cache): pointers step BLOCK_N rows per block. Paged: each
-    block's rows come from the page table (read only below `stop`; pages clamped into the pool).
+    block's rows come from the page table (read only below `stop`; pages clamped into the pool),
+    the entries of block n + 1 loaded during block n and clamped only when used, so no K/V load
+    waits on a table load issued just before it.
     """
     offs_n = tl.arange(0, BLOCK_N)
     k_ptrs = k_base + (start + offs_n).to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = v_base + (start + offs_n).to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd
     k_step = BLOCK_N * stride_kn  # (a key row's stride times 16..64 stays far inside int32)
     v_step = BLOCK_N * stride_vn
+    if PAGED:
+        entries = tl.load(pt_row + (start + offs_n) // page_size, mask=start + offs_n < stop, other=0)
     for n in range(0, (tl.maximum(stop - start, 0) + BLOCK_N - 1) // BLOCK_N):
         offs_kn = start + n * BLOCK_N + offs_n
         inside = offs_kn < stop
         if PAGED:
-            page = tl.load(pt_row + offs_kn // page_size, mask=inside, other=0)
-            page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+            page = tl.minimum(tl.maximum(entries, 0), num_pages - 1).to(tl.int64)
+            following = offs_kn + BLOCK_N
+            entries = tl.load(pt_row + following // page_size, mask=following < stop, other=0)
             within = (offs_kn % page_size).to(tl.int64)
             k_ptrs = k_base + (page * stride_kp + within * stride_kn)[:, None] + offs_d[None, :] * stride_kd
             v_ptrs = v_base + (page * stride_vp + within * stride_vn)[:, None] + offs_d[None, :] * stride_vd
