@@ -118,10 +118,17 @@ def test_real_cancellation_case():
     naive itself, held to 1e-4 by that rule, within the float32 rounding allowance of dP - delta."""
     case = _record("fuzz:float32-B2H2-S171x1-D1v240-scale1.88216-denseq-cachekv-grad")
     blocked = run_case("blocked", case, "cpu")
-    assert blocked.status == "pass" and blocked.bound_rules == {"dk": NAIVE_RULE}, blocked.summary()
-    assert blocked.errors["dk"] > 1e-4 and blocked.rounding == {}
     naive = run_case("naive", case, "cpu")
-    assert naive.status == "pass" and naive.bound_rules == {"dk": FLOAT32_ROUNDING_RULE}, naive.summary()
+    assert blocked.status == "pass" and naive.status == "pass", (blocked.summary(), naive.summary())
+    if naive.errors["dk"] <= 1e-4:
+        # whether dP - delta cancels depends on the CPU's float32 matmul (its summation order): on an AMD EPYC
+        # host (2026-12-03) naive's dk came to 1.5e-5, within the fixed bound, and no rule was needed; the
+        # rules themselves are tested on synthetic errors above
+        assert blocked.bound_rules == {} and naive.bound_rules == {}, (blocked.summary(), naive.summary())
+        return
+    assert blocked.bound_rules == {"dk": NAIVE_RULE}, blocked.summary()
+    assert blocked.errors["dk"] > 1e-4 and blocked.rounding == {}
+    assert naive.bound_rules == {"dk": FLOAT32_ROUNDING_RULE}, naive.summary()
     assert naive.errors["dk"] > 1e-4 and naive.bounds["dk"] == naive.rounding["dk"] > 1e-4
 
 
