@@ -441,8 +441,9 @@ def ordered_twin(v: Variant) -> Variant:
 def decode_variants(family: Family, bf16: bool, tile: int, score_mod: bool, max_shared: int,
                     kv_format: str = "paged") -> list[Variant]:
     """The split-KV decode kernels the launcher picks among for a head-dim tile and key format (its ring
-    layout, `DECODE_KV_BULK` then `DECODE_KV_SWIZZLE`; `launch_decode.ring_format`), best first: every `DECODE_TILES` entry that fits for the tiles of
-    `DECODE_TILES_BY_WAVE`, else the first that fits; empty where none does."""
+    layout: `DECODE_KV_BULK`, then `DECODE_KV_SWIZZLE`; formats as `launch_decode.ring_format` names them),
+    best first: every `DECODE_TILES` entry that fits for the tiles of `DECODE_TILES_BY_WAVE`, else the first
+    that fits; empty where none does."""
     if "decode" not in family.sources:
         return []
     found = []

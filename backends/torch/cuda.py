@@ -51,14 +51,14 @@ def cudnn_wins(p: Problem) -> bool:
 
 
 DECODE_MIN_SEQLEN_K = 2048      # the shortest cache measured (2k: benchmarks/results/h200-2026-12-03-run14, where
-#                                 the cuda decode kernel ran 0.83x cuDNN at B = 1 and 0.96x at B = 2)
+#                                 the cuda decode kernel ran 0.83-0.99x cuDNN at B = 1-64)
 
 
 def cudnn_decodes(p: Problem) -> bool:
     """One-token decoding calls without lse that cuDNN ran fastest on the H200 (2026-12-02, bf16, d128,
     32 query / 8 kv heads, 4k-128k keys, B 1-64): 1.03-1.22x the cuda backend's decode kernel and
     1.0-2.1x SDPA's flash (benchmarks/results/h200-2026-12-02/decode-cuda-time.log); 2k keys since 2026-12-03
-    (run 14: 1.04-1.21x). GQA is cuDNN's own (K/V read once per kv head). Not measured, so not claimed: lse,
+    (run 14: 1.01-1.21x at B = 1-64). GQA is cuDNN's own (K/V read once per kv head). Not measured, so not claimed: lse,
     several queries, d64, shorter caches."""
     return (p.arch == "sm_90" and p.dtype in HALF and not p.wants_lse and p.seqlen_q == 1
             and p.head_dim == p.head_dim_v == 128
